@@ -1,0 +1,25 @@
+"""Wire codecs for pseudo-gradients: pure tensor code, no network imports.
+
+- ``base.py``      the ``Codec`` interface (encode a flat fp32 tensor to bytes, decode bytes back)
+- ``floating.py``  ``none`` (raw fp32) and ``fp16``
+- ``registry``     below: ``get_codec(name)`` and ``CODECS``, the names ``--compression`` accepts
+
+Every codec decodes deterministically: the same bytes give the same fp32 values on every peer, which
+is what lets all members of a group end bit-identical.
+"""
+
+from compression.base import Codec
+from compression.floating import Float16Codec, NoneCodec
+
+CODECS = {codec.name: codec for codec in (NoneCodec(), Float16Codec())}
+
+
+def get_codec(name: str) -> Codec:
+    """Return the codec registered under ``name``; a ValueError lists the valid names."""
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(f"compression={name!r} is not a known codec; choose one of {sorted(CODECS)}") from None
+
+
+__all__ = ["CODECS", "Codec", "Float16Codec", "NoneCodec", "get_codec"]

@@ -1,0 +1,10 @@
+"""The swarm layer: a thin wrapper over hivemind's DHT. No training code lives here.
+
+- ``errors.py``     ``UserError``: a mistake the user can fix, shown as one line without a traceback
+- ``cli.py``        argparse flags derived from frozen config dataclasses (help text from field metadata)
+- ``addresses.py``  multiaddr validation with errors that say what is wrong and what to do
+- ``node.py``       ``DHTConfig`` and ``start_dht``: start or join a swarm, stable identities, clear failures
+- ``manifest.py``   the run manifest: what a run trains and with which settings, plus its hash
+- ``records.py``    per-peer progress records (epoch, state hash, tokens, schedule) and the key schema
+- ``__main__.py``   ``python -m dht``: a bootstrap node that does not train
+"""

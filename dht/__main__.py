@@ -1,0 +1,56 @@
+"""A bootstrap node that does not train: it keeps the swarm's DHT reachable at a stable address.
+
+    python -m dht --host-maddrs /ip4/0.0.0.0/tcp/31337 --identity-path bootstrap.key
+
+prints the multiaddrs to pass to peers as ``--initial-peers``, one per line, then serves until
+Ctrl+C or SIGTERM. With ``--identity-path`` the peer id, and so the address, survives restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Optional, Sequence
+
+from dht.cli import add_arguments, from_args
+from dht.errors import UserError
+from dht.node import DHTConfig, start_dht, visible_maddrs
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> DHTConfig:
+    parser = argparse.ArgumentParser(prog="python -m dht", description=__doc__.split("\n\n")[0])
+    add_arguments(parser, DHTConfig)
+    try:
+        return from_args(DHTConfig, parser.parse_args(argv))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    dht = None
+    try:
+        config = parse_args(argv)
+        dht = start_dht(config)
+        # hivemind ignores SIGINT in the parent while it forks; take it back so Ctrl+C stops us cleanly
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        for maddr in visible_maddrs(dht):
+            print(maddr, flush=True)
+        print(f"bootstrap node {dht.peer_id} is up; pass one of the addresses above as --initial-peers",
+              file=sys.stderr, flush=True)
+        stop.wait()
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dht is not None:
+            dht.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

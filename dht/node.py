@@ -1,0 +1,115 @@
+"""Start or join a swarm: hivemind's DHT with validated addresses, stable identities and clear failures."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from dataclasses import dataclass
+from typing import Iterable, Optional, Tuple
+
+import hivemind
+from hivemind.dht.validation import RecordValidatorBase
+from hivemind.p2p import P2PDaemonError
+
+from dht.addresses import parse_maddrs
+from dht.cli import opt
+from dht.errors import UserError
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+@dataclass(frozen=True)
+class DHTConfig:
+    """How this process joins the swarm's DHT."""
+
+    initial_peers: Tuple[str, ...] = opt((), "multiaddrs of peers already in the swarm (any one is enough)")
+    host_maddrs: Tuple[str, ...] = opt(("/ip4/0.0.0.0/tcp/0",), "multiaddrs to listen on; tcp/0 picks a free port")
+    announce_maddrs: Tuple[str, ...] = opt((), "public multiaddrs to advertise, e.g. behind port forwarding")
+    identity_path: Optional[str] = opt(None, "private key file that keeps the peer id (created if missing)")
+    client_mode: bool = opt(False, "do not accept inbound connections (behind NAT without an open port)")
+    startup_timeout: float = opt(30.0, "seconds to wait for the p2p daemon to start and reach initial peers")
+
+    def __post_init__(self):
+        parse_maddrs(self.initial_peers, flag="--initial-peers", need_peer_id=True)
+        parse_maddrs(self.host_maddrs, flag="--host-maddrs", need_peer_id=False)
+        parse_maddrs(self.announce_maddrs, flag="--announce-maddrs", need_peer_id=False)
+        if self.startup_timeout <= 0:
+            raise ValueError(f"startup_timeout must be positive, got {self.startup_timeout}")
+
+
+def init_child_process() -> None:
+    """Run first in every forked helper process (DHT, averager).
+
+    SIGTERM goes back to its default: a handler inherited from the parent would only set a flag in
+    this copy of the process and keep it alive. And Linux is asked to SIGKILL the child when its parent
+    dies, so a peer killed with SIGKILL leaves no orphans behind.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass  # not Linux: children are reaped by hivemind's own shutdown paths instead
+
+
+class SwarmDHT(hivemind.DHT):
+    """hivemind.DHT whose background process dies with the process that started it."""
+
+    def run(self) -> None:
+        init_child_process()
+        super().run()
+
+
+def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase] = ()) -> SwarmDHT:
+    """Start a DHT node; every failure a user can cause becomes a one-line ``UserError``."""
+    initial_peers = [str(m) for m in parse_maddrs(config.initial_peers, flag="--initial-peers", need_peer_id=True)]
+    if config.identity_path:
+        directory = os.path.dirname(os.path.abspath(config.identity_path))
+        if not os.path.isdir(directory):
+            raise UserError(f"--identity-path: directory {directory} does not exist; create it first")
+    try:
+        return SwarmDHT(
+            initial_peers=initial_peers,
+            host_maddrs=list(config.host_maddrs),
+            announce_maddrs=list(config.announce_maddrs) or None,
+            identity_path=config.identity_path,
+            client_mode=config.client_mode,
+            record_validators=list(record_validators),
+            startup_timeout=config.startup_timeout,
+            start=True,
+        )
+    except P2PDaemonError as e:
+        raise UserError(explain_daemon_error(str(e), config)) from None
+    except TimeoutError:
+        raise UserError(
+            f"the DHT did not start within {config.startup_timeout:.0f}s; check that the initial peers "
+            f"{' '.join(initial_peers) or '(none)'} are reachable, or raise --startup-timeout"
+        ) from None
+
+
+def explain_daemon_error(message: str, config: DHTConfig) -> str:
+    """Turn p2pd's failure text into what happened and what to do."""
+    if "failed to connect to bootstrap peers" in message:
+        return (
+            f"could not reach any initial peer ({' '.join(config.initial_peers)}): check the addresses, that "
+            f"those peers are running, and that their ports are open to you"
+        )
+    if "address already in use" in message:
+        return (
+            f"cannot listen on {' '.join(config.host_maddrs)}: the port is already in use; pick a free port "
+            f"or use tcp/0"
+        )
+    if "already taken by another peer" in message:
+        return (
+            f"identity {config.identity_path} is used by another live peer; give each peer its own "
+            f"--identity-path (or --checkpoint-dir)"
+        )
+    if "cannot assign requested address" in message:
+        return f"cannot listen on {' '.join(config.host_maddrs)}: that address is not on this machine"
+    return f"the p2p daemon failed to start: {message.strip()}"
+
+
+def visible_maddrs(dht: hivemind.DHT) -> list:
+    """Addresses other peers can dial, best first (non-loopback before loopback)."""
+    maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
+    return sorted(set(maddrs), key=lambda m: ("/127.0.0.1/" in m or "/::1/" in m, m))

@@ -1,0 +1,86 @@
+"""Per-peer progress records: how peers see the swarm without a server.
+
+Key schema (all under the run id):
+- ``{run}.manifest``             the run manifest (manifest.py)
+- ``{run}.peers`` / <peer id>    one ``PeerRecord`` per live peer, expiring unless refreshed
+A record carries the peer's epoch and state hash (for catch-up and fork choice), the tokens merged
+into its state, and when it plans to sync next (so joiners line their rounds up with the swarm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import hivemind
+from hivemind.utils import get_dht_time
+
+logger = logging.getLogger(__name__)
+
+
+def peers_key(run_id: str) -> str:
+    return f"{run_id}.peers"
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    peer_id: str
+    epoch: int  # outer steps applied to this peer's global parameters
+    state_hash: str  # hash(G, m, e) at that epoch
+    tokens_total: int  # tokens merged into this state's lineage (fork choice: most tokens wins)
+    manifest_hash: str
+    status: str = "training"  # training | syncing | left
+    loss: Optional[float] = None
+    tokens_per_second: float = 0.0
+    next_sync_at: Optional[float] = None  # DHT time this peer expects to start matchmaking
+    round_seconds: Optional[float] = None  # length of its last round, compute plus sync
+    client_mode: bool = False
+    bytes_per_round: int = 0
+    updated_at: float = 0.0
+
+    @classmethod
+    def from_value(cls, value: object) -> Optional["PeerRecord"]:
+        if not isinstance(value, dict):
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            record = cls(**{k: v for k, v in value.items() if k in names})
+            int(record.epoch), int(record.tokens_total), str(record.state_hash)
+        except (TypeError, ValueError):
+            return None
+        return record
+
+
+def publish_record(dht: hivemind.DHT, run_id: str, record: PeerRecord, expiration_time: float) -> bool:
+    """Store ``record``. The DHT keeps, per subkey, the value that expires last: a newer record must
+    expire later than the one it replaces (``RecordPublisher`` takes care of that)."""
+    value = dataclasses.asdict(dataclasses.replace(record, updated_at=get_dht_time()))
+    return bool(dht.store(peers_key(run_id), value, expiration_time, subkey=record.peer_id))
+
+
+class RecordPublisher:
+    """Publishes one peer's successive records with strictly increasing expiration times."""
+
+    def __init__(self, dht: hivemind.DHT, run_id: str):
+        self.dht, self.run_id, self.expiration = dht, run_id, 0.0
+
+    def publish(self, record: PeerRecord, ttl: float) -> bool:
+        self.expiration = max(get_dht_time() + ttl, self.expiration + 1e-3)
+        return publish_record(self.dht, self.run_id, record, self.expiration)
+
+
+def fetch_records(dht: hivemind.DHT, run_id: str) -> Dict[str, PeerRecord]:
+    """Live peers' records keyed by peer id; malformed entries are skipped."""
+    found = dht.get(peers_key(run_id), latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    records = {}
+    for subkey, item in found.value.items():
+        record = PeerRecord.from_value(getattr(item, "value", None))
+        if record is None or record.peer_id != subkey:
+            logger.debug(f"skipping malformed peer record under {subkey!r}")
+            continue
+        records[subkey] = record
+    return records

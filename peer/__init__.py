@@ -1,0 +1,18 @@
+"""The training node. ``python -m peer`` runs one; see README.md.
+
+- ``__main__.py``   parse, build, run, close
+- ``config.py``     RunConfig (the run manifest), NodeConfig, SyncConfig; the CLI is derived from them
+- ``node.py``       ``Peer``: builds the parts below and runs the round loop
+- ``model.py``      Llama presets built from transformers configs (tiny, small, 150m, 1b)
+- ``data.py``       tokenizers, bundled/local/streamed text, held-out split, per-peer order
+- ``inner.py``      the inner AdamW loop (warmup + cosine, clipping, accumulation, bf16 on GPU)
+- ``flat.py``       flat fp32 vectors for G, m, pseudo-gradients and moments
+- ``outer.py``      GlobalState, its hash, the FMA-free Nesterov outer step
+- ``consensus.py``  fork choice, expected group, the swarm's schedule (pure functions over records)
+- ``sync.py``       one round's sync: catch up, average, apply
+- ``averager.py``   hivemind DecentralizedAverager subclass: round keys, exact all-reduce, state download
+- ``allreduce.py``  the exact butterfly all-reduce (bit-identical results or a clean failure)
+- ``checkpoint.py`` atomic checkpoints
+- ``report.py``     progress bar, round summary, metrics JSON lines
+- ``faults.py``     fault plans for tests (kill at a phase of a round)
+"""

@@ -1,0 +1,61 @@
+"""A decoupled-DiLoCo training node.
+
+    python -m peer                                      # start a new run alone on the bundled default
+    python -m peer --initial-peers /ip4/.../p2p/...     # join a run: its settings come from the swarm
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from dht.cli import add_arguments, explicit_values, from_args
+from dht.errors import UserError
+from dht.node import DHTConfig
+from peer.config import NodeConfig, RunConfig, SyncConfig
+from peer.report import fail
+
+
+def parse_args(argv: Optional[Sequence[str]] = None):
+    parser = argparse.ArgumentParser(
+        prog="python -m peer", description=__doc__.split("\n\n")[0],
+        epilog="Run settings are shared by every peer of a run (the manifest); a joiner needs none of them.",
+    )
+    add_arguments(parser, RunConfig, "run settings (shared through the run manifest)")
+    add_arguments(parser, NodeConfig, "this node")
+    add_arguments(parser, DHTConfig, "network")
+    add_arguments(parser, SyncConfig, "sync deadlines")
+    args = parser.parse_args(argv)
+    run_flags = explicit_values(args, RunConfig)
+    RunConfig(**run_flags)  # validate now: a bad value is a one-line error before anything starts
+    return run_flags, from_args(NodeConfig, args), from_args(SyncConfig, args), from_args(DHTConfig, args)
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # hivemind logs every failed all-reduce with a traceback; our own lines say what happened
+    logging.getLogger("hivemind").setLevel(logging.INFO if verbose else logging.CRITICAL)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        run_flags, node, sync, net = parse_args(argv)
+    except (UserError, ValueError) as e:
+        return fail(str(e))
+    setup_logging(node.verbose)
+    from peer.node import Peer  # imports torch and hivemind: after the flags are known to be fine
+
+    peer = Peer(run_flags, node, sync, net)
+    try:
+        peer.build()
+        return peer.run_rounds()
+    except (UserError, ValueError) as e:
+        return fail(str(e))
+    finally:
+        peer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

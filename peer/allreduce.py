@@ -1,0 +1,252 @@
+"""An all-reduce whose members end bit-identical, or fail together: hivemind's butterfly, made exact.
+
+hivemind's ``AllReduceRunner`` has each reducer send every member its own delta (average - part), which
+the member adds in place, so members never agree to the last bit; and when a member dies it quietly
+averages over the survivors, or keeps a member's own part where a reducer vanished (a SIGKILLed peer
+leaves the others with a partly averaged tensor). Here, on hivemind's own partitioning, streaming and
+RPCs:
+
+- each reducer encodes its averaged part **once** and sends the same bytes to every member, and
+  decodes them for itself too, so all members decode identical bytes into identical fp32 values;
+- a sender that fails, a reducer that fails, a part of the wrong shape or a non-finite part aborts
+  the whole all-reduce with ``GroupLostMember``; the caller retries from its saved tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Callable, Dict, Optional, Sequence, Set, Tuple, Type
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode, GroupID
+from hivemind.averaging.partition import AllreduceException, TensorPartContainer, TensorPartReducer
+from hivemind.compression import CompressionBase, CompressionInfo
+from hivemind.p2p import P2P, PeerID, ServicerBase
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+from compression import Codec
+
+FaultHook = Callable[[str], None]
+
+
+class GroupLostMember(AllreduceException):
+    """The all-reduce lost a member (or got bad data) mid-way; nothing from it may be applied."""
+
+
+class CodecCompression(CompressionBase):
+    """Our pure-tensor codecs behind hivemind's compression interface (used to size and encode parts)."""
+
+    compression_type = runtime_pb2.CompressionType.NONE  # never dispatched on: both ends know the codec
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        return runtime_pb2.Tensor(buffer=self.codec.encode(tensor.reshape(-1)), size=tensor.shape, dtype="float32")
+
+    def extract(self, serialized: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = torch.Size(serialized.size)
+        return self.codec.decode(serialized.buffer, shape.numel()).reshape(shape)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.codec.ratio()
+
+
+class ExactPartContainer(TensorPartContainer):
+    """Outputs are averages, not deltas; a failed reducer fails the whole output instead of being
+    replaced by the member's own part."""
+
+    failure: Optional[str] = None
+
+    def register_failed_reducer(self, peer_index: int) -> None:
+        self.failure = self.failure or f"reducer #{peer_index} failed"
+        self.finalize()
+
+    async def iterate_output_tensors(self) -> AsyncIterator[torch.Tensor]:
+        assert not self._outputs_consumed, "output tensors are already iterated and no longer available."
+        self._outputs_consumed = True
+        peer_index = num_parts_processed = 0
+        for tensor_index in range(len(self.local_tensors)):
+            tensor_parts = []
+            while len(tensor_parts) < self.num_parts_by_tensor[tensor_index]:
+                if num_parts_processed >= self.num_parts_by_peer[peer_index]:
+                    num_parts_processed, peer_index = 0, peer_index + 1
+                    continue
+                # check `finished` before every wait: hivemind's version can miss a finalize that
+                # happened before it cleared the event, and then hangs until the all-reduce timeout
+                while not self._output_parts_by_peer[peer_index]:
+                    if self.finished.is_set():
+                        raise GroupLostMember(self.failure or "all-reduce terminated")
+                    self._output_part_available[peer_index].clear()
+                    await self._output_part_available[peer_index].wait()
+                tensor_parts.append(self._output_parts_by_peer[peer_index].popleft())
+                num_parts_processed += 1
+            yield torch.cat(tensor_parts).reshape(self.local_tensors[tensor_index].shape)
+
+
+class ExactPartReducer(TensorPartReducer):
+    """Averages a part only over **all** senders: a failed sender aborts the reduction for everyone."""
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        if self.finished.is_set():  # aborted: never add to (or resolve) a part that already failed
+            raise GroupLostMember("the reduction was aborted")
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight=weight)
+
+    def on_sender_failed(self, sender_index: int) -> None:
+        if self.finished.is_set():
+            return
+        if not self.current_part_future.done():
+            self.current_part_future.set_exception(GroupLostMember(f"sender #{sender_index} failed"))
+        self.finished.set()
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """Butterfly all-reduce of ``tensors`` in a formed group; iterate it to get the averaged tensors."""
+
+    def __init__(
+        self,
+        *,
+        p2p: P2P,
+        servicer_type: Type[ServicerBase],
+        prefix: Optional[str],
+        group_id: GroupID,
+        tensors: Sequence[torch.Tensor],
+        weight: float,
+        ordered_peer_ids: Sequence[PeerID],
+        peer_fractions: Tuple[float, ...],
+        modes: Sequence[AveragingMode],
+        sender_timeout: float,
+        reducer_timeout: float,
+        codec: Codec,
+        part_size_bytes: int,
+        fault_hook: Optional[FaultHook] = None,
+    ):
+        # hivemind's __init__ builds its own (inexact) container and reducer, so set the fields here
+        assert p2p.peer_id in ordered_peer_ids, "peer_id is not a part of the group"
+        assert any(mode != AveragingMode.CLIENT for mode in modes), "cannot run allreduce without reducers"
+        self._p2p, self.peer_id = p2p, p2p.peer_id
+        self._servicer_type, self._prefix = servicer_type, prefix
+        self.group_id, self.ordered_peer_ids = group_id, tuple(ordered_peer_ids)
+        self.modes, self.peer_fractions = tuple(modes), tuple(peer_fractions)
+        self.weight = float(weight)
+        self.sender_timeout, self.reducer_timeout = sender_timeout, reducer_timeout
+        self._future = asyncio.Future()
+        self.sender_peer_ids = [peer for peer, mode in zip(self.ordered_peer_ids, self.modes)
+                                if mode != AveragingMode.AUX]
+        self.all_senders_started = asyncio.Event()
+        self.banned_senders: Set[PeerID] = set()
+        self.banlock = asyncio.Lock()
+        self.active_senders: Set[PeerID] = {self.peer_id} if self.peer_id in self.sender_peer_ids else set()
+        if len(self.active_senders) == len(self.sender_peer_ids):
+            self.all_senders_started.set()
+
+        self.compression = CodecCompression(codec)
+        self.tensor_part_container = ExactPartContainer(
+            tensors, peer_fractions, compression=self.compression, part_size_bytes=part_size_bytes,
+            return_deltas=False,
+        )
+        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(self.my_index)
+        self.tensor_part_reducer = ExactPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
+        )
+        self._encoded: Dict[int, asyncio.Future] = {}
+        self.fault_hook = fault_hook
+        self.bytes_sent = self.bytes_received = 0
+
+    @property
+    def my_index(self) -> int:
+        return self.ordered_peer_ids.index(self.peer_id)
+
+    def _fire(self, phase: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(phase)
+
+    def _encode_once(self, part_index: int, averaged: torch.Tensor) -> asyncio.Future:
+        """Encode the averaged part the first time any member asks; everyone gets those same bytes."""
+        if part_index not in self._encoded:
+            loop = asyncio.get_event_loop()
+            self._encoded[part_index] = loop.run_in_executor(None, self.compression.compress, averaged, None)
+        return self._encoded[part_index]
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        """Send our part to ``peer_id``'s reducer and receive the averaged part back."""
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        container = self.tensor_part_container
+        try:
+            if peer_id == self.peer_id:
+                sender_index = self.sender_peer_ids.index(peer_id)
+                for part_index, part in enumerate(self.parts_for_local_averaging):
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=self.weight
+                    )
+                    encoded = await self._encode_once(part_index, averaged)
+                    container.register_processed_part(peer_index, part_index, self.compression.extract(encoded))
+                return
+
+            done_sending = asyncio.Event()
+            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            def decode(message: averaging_pb2.AveragingData) -> Tuple[int, torch.Tensor]:
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise GroupLostMember(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                return message.ByteSize(), self.compression.extract(message.tensor_part)
+
+            part_index = 0
+            async for size, averaged in amap_in_executor(
+                decode, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=container.prefetch
+            ):
+                self.bytes_received += size
+                container.register_processed_part(peer_index, part_index, averaged)
+                part_index += 1
+            if part_index != container.num_parts_by_peer[peer_index]:
+                raise GroupLostMember(
+                    f"{peer_id} sent {part_index} of {container.num_parts_by_peer[peer_index]} averaged parts"
+                )
+        except BaseException as e:
+            container.failure = container.failure or f"lost reducer {peer_id}: {e!r}"
+            container.register_failed_reducer(peer_index)
+            raise
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        first = True
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.bytes_sent += message.ByteSize()
+            yield message
+            if first:
+                first = False
+                self._fire("allreduce")  # a fault plan may kill this peer while it is sending
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                          sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Reduce one sender's parts; reply with the shared encoding of each averaged part."""
+        reducer = self.tensor_part_reducer
+        part_index = 0
+
+        def decode(message: averaging_pb2.AveragingData) -> Tuple[int, torch.Tensor, float]:
+            return message.ByteSize(), self.compression.extract(message.tensor_part), message.weight
+
+        try:
+            async for size, part, weight in amap_in_executor(decode, stream, max_prefetch=1):
+                self.bytes_received += size
+                expected = reducer.part_shapes[part_index] if part_index < reducer.num_parts else None
+                if part.shape != expected:
+                    raise GroupLostMember(f"sender #{sender_index} sent a part of shape {tuple(part.shape)}, "
+                                          f"expected {tuple(expected) if expected else 'no more parts'}")
+                if not 0 < weight < float("inf"):
+                    raise GroupLostMember(f"sender #{sender_index} sent weight {weight}")
+                if not torch.isfinite(part).all():
+                    raise GroupLostMember(f"sender #{sender_index} sent non-finite values")
+                averaged = await reducer.accumulate_part(sender_index, part_index, part, weight=weight)
+                encoded = await self._encode_once(part_index, averaged)
+                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+                self.bytes_sent += reply.ByteSize()
+                part_index += 1
+                yield reply
+        finally:
+            if part_index != reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])

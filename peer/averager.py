@@ -1,0 +1,201 @@
+"""The peer's hivemind DecentralizedAverager: exact all-reduce, round keys and verified state sharing.
+
+It runs in its own process (hivemind's design), with the pseudo-gradient buffers in shared memory.
+What it adds to hivemind's averager:
+- ``prepare_round`` puts only peers holding the same (epoch, state hash) under one matchmaking key
+  and tells the leader how many peers to expect, so a complete group forms without waiting the
+  whole grace window;
+- the all-reduce is ``ExactAllReduceRunner`` (members end bit-identical or the round fails), and it
+  averages the inner first moment too on alignment rounds;
+- ``download_state`` fetches (G, m, metadata) from a chosen list of donors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
+from hivemind.utils.streaming import combine_from_streaming
+
+from compression import Codec
+from dht.node import init_child_process
+from peer.allreduce import ExactAllReduceRunner, GroupLostMember
+
+logger = logging.getLogger(__name__)
+
+StateProvider = Callable[[], Tuple[Dict[str, Any], Sequence[torch.Tensor]]]
+
+
+def round_bits(epoch: int, state_hash: str) -> str:
+    """Matchmaking key bits for a round: peers meet only if they hold the same state."""
+    digest = hashlib.sha256(f"{epoch}:{state_hash}".encode()).digest()
+    return format(int.from_bytes(digest[:8], "big"), "064b")
+
+
+class SwarmAverager(DecentralizedAverager):
+    """Averages ``delta`` (and ``moment`` on alignment rounds) with whichever peers share our state."""
+
+    def __init__(
+        self,
+        delta: torch.Tensor,
+        moment: Optional[torch.Tensor],
+        dht,
+        *,
+        prefix: str,
+        codec: Codec,
+        state_provider: StateProvider,
+        quorum: int,
+        grace_seconds: float,
+        request_timeout: float,
+        allreduce_timeout: float,
+        part_timeout: float,
+        client_mode: bool,
+        fault_hook: Optional[Callable[[str, int], None]] = None,
+        part_size_bytes: int = 2**20,
+    ):
+        self.codec, self.fault_hook, self._state_provider = codec, fault_hook, state_provider
+        self.exact_timeout = allreduce_timeout
+        self.round_epoch = -1  # the epoch being synced, as set by prepare_round (averager process)
+        self.has_moment = moment is not None
+        tensors = [delta] + ([moment] if moment is not None else [])
+        super().__init__(
+            tensors,
+            dht,
+            start=False,
+            prefix=prefix,
+            min_group_size=max(quorum, 2),  # set per round by prepare_round
+            target_group_size=None,
+            min_matchmaking_time=grace_seconds,
+            request_timeout=min(request_timeout, max(grace_seconds / 2, 0.1)),
+            allreduce_timeout=allreduce_timeout + 5,  # a backstop: our own deadline fires first, cleanly
+            sender_timeout=part_timeout,
+            reducer_timeout=2 * part_timeout,
+            part_size_bytes=part_size_bytes,
+            client_mode=client_mode,
+            declare_state_period=10.0,
+            shutdown_timeout=5.0,
+        )
+
+    def run(self) -> None:
+        init_child_process()
+        super().run()
+
+    # ---- round control (main process -> averager process) ----
+    def prepare_round(self, epoch: int, state_hash: str, min_group: int, expected_group: int) -> None:
+        """Use this round's matchmaking key. A leader closes the group as soon as ``expected_group`` peers
+        joined, or when its grace window ends with at least ``min_group``; below that, no group forms."""
+        future = MPFuture()
+        self._outer_pipe.send(("_prepare_round", [], dict(
+            epoch=epoch, bits=round_bits(epoch, state_hash), min_group=min_group, expected_group=expected_group,
+            future=future)))
+        future.result(timeout=30)
+
+    async def _prepare_round(self, epoch: int, bits: str, min_group: int, expected_group: int,
+                             future: MPFuture) -> None:
+        try:
+            self.round_epoch = epoch
+            self._matchmaking.group_key_manager.group_bits = bits
+            self._matchmaking.min_group_size = min_group
+            target = max(expected_group, min_group)
+            self._matchmaking.target_group_size = target
+            self._matchmaking.group_key_manager.target_group_size = target
+            self._matchmaking.potential_leaders.target_group_size = target
+            future.set_result(None)
+        except BaseException as e:
+            future.set_exception(e)
+
+    # ---- all-reduce (averager process) ----
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> Dict[str, Any]:
+        """Run the exact all-reduce in a formed group; returns gathered metadata and byte counts."""
+        bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
+        gathered = {peer.to_base58(): self.serializer.loads(data) for peer, data in zip(group_info.peer_ids, user_bytes)}
+        modes = tuple(map(AveragingMode, mode_ids))
+        align = {bool(info.get("align")) for info in gathered.values()}
+        if len(align) != 1:
+            raise GroupLostMember("group members disagree on momentum alignment")
+        count = 2 if (align.pop() and self.has_moment) else 1
+        size = sum(t.numel() for t in self._averaged_tensors[:count])
+        download_bandwidths = [b if mode != AveragingMode.CLIENT else 0.0 for b, mode in zip(bandwidths, modes)]
+        peer_fractions = await asyncio.get_event_loop().run_in_executor(
+            None, load_balance_peers, size, download_bandwidths, min_vector_size
+        )
+        try:
+            async with asyncio.timeout(self.exact_timeout):
+                async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                    local_tensors = local_tensors[:count]
+                    runner = ExactAllReduceRunner(
+                        p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_id=group_info.group_id,
+                        tensors=local_tensors, weight=kwargs["weight"], ordered_peer_ids=group_info.peer_ids,
+                        peer_fractions=peer_fractions, modes=modes, sender_timeout=kwargs["sender_timeout"],
+                        reducer_timeout=kwargs["reducer_timeout"], codec=self.codec,
+                        part_size_bytes=kwargs["part_size_bytes"], fault_hook=self._fire,
+                    )
+                    self._running_groups[group_info.group_id].set_result(runner)
+                    async for tensor, averaged in azip(as_aiter(*local_tensors), runner):
+                        tensor.copy_(averaged)
+        except TimeoutError:
+            raise GroupLostMember(f"the all-reduce did not finish within {self.exact_timeout:.1f}s") from None
+        except GroupLostMember:
+            raise
+        except Exception as e:  # hivemind's _step only retries on its own exception types
+            raise GroupLostMember(f"all-reduce failed: {e!r}") from None
+        return dict(gathered=gathered, bytes_sent=runner.bytes_sent, bytes_received=runner.bytes_received,
+                    aligned=count == 2)
+
+    def _fire(self, phase: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(phase, self.round_epoch)
+
+    # ---- state sharing ----
+    def get_current_state(self):
+        """Called in the main process when a peer downloads our state: (metadata, [G, m], infos)."""
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+    def download_state(self, donors: Sequence[str], timeout: float) -> Optional[Tuple[str, Dict, List[torch.Tensor]]]:
+        """Try ``donors`` in order; return (donor, metadata, tensors) from the first that answers."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state", [], dict(donors=list(donors), timeout=timeout, future=future)))
+        return future.result(timeout=timeout * max(len(donors), 1) + 10)
+
+    async def _download_state(self, donors: List[str], timeout: float, future: MPFuture) -> None:
+        try:
+            for donor in donors:
+                try:
+                    result = await asyncio.wait_for(self._download_from(PeerID.from_base58(donor), timeout), timeout)
+                except Exception as e:
+                    logger.info(f"state download from {donor} failed: {e!r}")
+                    continue
+                if result is not None:
+                    future.set_result((donor, *result))
+                    return
+            future.set_result(None)
+        except BaseException as e:
+            if not future.done():
+                future.set_exception(e)
+
+    async def _download_from(self, peer: PeerID, timeout: float) -> Optional[Tuple[Dict, List[torch.Tensor]]]:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, tensors, parts = None, [], []
+        async for message in aiter_with_timeout(stream, timeout=timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return (metadata, tensors) if isinstance(metadata, dict) else None

@@ -1,0 +1,72 @@
+"""Atomic checkpoints: a crash or a full disk at any moment leaves the previous checkpoint intact.
+
+A checkpoint is one ``torch.save`` file, written to a temporary name in the same directory, flushed
+and fsynced, then renamed over the old one (rename is atomic on POSIX), and the directory is fsynced
+so the rename itself survives a power cut.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import pickle
+import zipfile
+from typing import Any, Dict, Optional
+
+import torch
+
+from dht.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+FILENAME = "state.pt"
+FORMAT = 1
+
+
+def checkpoint_path(directory: str) -> str:
+    return os.path.join(directory, FILENAME)
+
+
+def save_checkpoint(directory: str, payload: Dict[str, Any]) -> bool:
+    """Write ``payload`` atomically; on failure (a full disk, say) keep the old file and return False."""
+    final = checkpoint_path(directory)
+    temporary = f"{final}.tmp.{os.getpid()}"
+    try:
+        with open(temporary, "wb") as f:
+            torch.save(dict(payload, format=FORMAT), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, final)
+        descriptor = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        return True
+    except OSError as e:
+        reason = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror or repr(e)
+        logger.error(f"checkpoint not written to {final}: {reason}; the previous checkpoint is kept. "
+                     f"Free some space and training will checkpoint again next round")
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+        return False
+
+
+def load_checkpoint(directory: str) -> Optional[Dict[str, Any]]:
+    """The saved payload, ``None`` if there is none; a ``UserError`` if the file is corrupt."""
+    path = checkpoint_path(directory)
+    if not os.path.exists(path):
+        return None
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
+        raise UserError(
+            f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0][:120]}); move it away to "
+            f"start this peer fresh (it will download the swarm's state), or restore a backup"
+        ) from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise UserError(f"checkpoint {path} is not a decoupled-diloco checkpoint of format {FORMAT}; move it away")
+    return payload

@@ -1,0 +1,136 @@
+"""Configuration: what a run shares (the manifest) and what each node chooses for itself.
+
+``RunConfig`` fields travel in the run manifest, so a joiner needs only ``--initial-peers``; a flag
+given explicitly that disagrees with the manifest is refused. ``None`` means "the preset's default"
+and is filled in by ``RunConfig.resolved()`` before the manifest is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from compression import CODECS
+from dht.cli import opt
+from peer.model import PRESETS
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Settings every peer of a run shares; they form the run manifest."""
+
+    model: str = opt("tiny", "model preset", choices=tuple(PRESETS))
+    tokenizer: Optional[str] = opt(None, "bytes or gpt2; default: the preset's", choices=("bytes", "gpt2"))
+    dataset: str = opt("shakespeare", "'shakespeare' (bundled), a folder of .txt files, or a Hugging Face name")
+    dataset_config: Optional[str] = opt(None, "Hugging Face dataset configuration name, e.g. en for c4")
+    text_field: str = opt("text", "field that holds the text in a Hugging Face dataset")
+    seq_len: Optional[int] = opt(None, "tokens per training sequence; default: the preset's")
+    batch_size: Optional[int] = opt(None, "sequences per inner step on each peer; default: the preset's")
+    inner_steps: Optional[int] = opt(None, "H: inner steps per round; default: the preset's")
+    round_seconds: float = opt(0.0, "if > 0, a round is this many seconds of compute instead of H steps")
+    lr: Optional[float] = opt(None, "peak inner AdamW learning rate; default: the preset's")
+    warmup_steps: Optional[int] = opt(None, "inner steps of linear warmup on a fresh optimizer")
+    lr_decay_steps: int = opt(20000, "global inner steps (epoch x H) of cosine decay to --min-lr-ratio")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of --lr")
+    weight_decay: float = opt(0.1, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "clip the inner gradient norm to this (0 = off)")
+    outer_lr: float = opt(0.7, "outer Nesterov learning rate (DiLoCo: 0.7)")
+    outer_momentum: float = opt(0.9, "outer Nesterov momentum (DiLoCo: 0.9)")
+    compression: str = opt("fp16", "wire codec for the all-reduce", choices=tuple(CODECS))
+    align_every: int = opt(4, "average the inner AdamW first moment every k rounds (0 = never)")
+    quorum: int = opt(1, "smallest group that may apply an outer step; 1 = a lone peer never blocks")
+    grace_seconds: float = opt(5.0, "matchmaking window: how long a ready peer waits for late peers")
+    eval_fraction: float = opt(0.02, "tail of every text file held out for eval_loss (local datasets)")
+    eval_batches: int = opt(8, "held-out batches per evaluation")
+    eval_every: int = opt(5, "evaluate the global parameters every this many rounds")
+    seed: int = opt(0, "seed of the initial weights (and of each peer's data order)")
+
+    def __post_init__(self):
+        positive = ("seq_len", "batch_size", "inner_steps", "eval_batches", "eval_every", "quorum")
+        for name in positive:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("round_seconds", "weight_decay", "grad_clip", "align_every", "grace_seconds",
+                     "lr_decay_steps", "warmup_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.lr is not None and not 0 < self.lr < 1:
+            raise ValueError(f"lr must be in (0, 1), got {self.lr}")
+        if not 0 < self.outer_lr <= 10:
+            raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not 0 < self.eval_fraction < 0.5:
+            raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def resolved(self) -> "RunConfig":
+        """Fill every preset-dependent default, so the manifest pins concrete values."""
+        preset = PRESETS[self.model]
+        defaults = dict(
+            tokenizer=preset.tokenizer, seq_len=preset.seq_len, batch_size=preset.batch_size,
+            inner_steps=preset.inner_steps, lr=preset.lr, warmup_steps=preset.warmup_steps,
+        )
+        return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+
+    def to_settings(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self.resolved())
+
+    @classmethod
+    def from_settings(cls, settings: Dict[str, Any]) -> "RunConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(settings) - names
+        if unknown:
+            raise ValueError(f"the run manifest has settings this version does not know: {sorted(unknown)}")
+        return cls(**settings)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Choices each peer makes for itself."""
+
+    run_id: str = opt("diloco", "name of the run to start or join")
+    checkpoint_dir: Optional[str] = opt(None, "write a checkpoint here every round and resume from it")
+    metrics_file: Optional[str] = opt(None, "append one JSON line per round to this file")
+    max_rounds: int = opt(0, "stop after this many rounds (0 = run until stopped)")
+    device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
+    micro_batch: int = opt(0, "sequences per forward pass; accumulates gradients up to --batch-size (0 = all)")
+    threads: int = opt(0, "torch CPU threads (0 = torch's default)")
+    quiet: bool = opt(False, "no progress bar: one summary line per round")
+    verbose: bool = opt(False, "log hivemind's internals too")
+    fault_plan: Optional[str] = opt(None, "test-only fault injection, e.g. kill@allreduce:3 (see peer/faults.py)")
+
+    def __post_init__(self):
+        if not self.run_id or any(c in self.run_id for c in ". /"):
+            raise ValueError(f"run_id must be non-empty without '.', '/' or spaces, got {self.run_id!r}")
+        for name in ("max_rounds", "micro_batch", "threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """Deadlines of the sync phase; every network wait has one."""
+
+    allreduce_timeout: float = opt(60.0, "seconds an all-reduce may take once its group is formed")
+    part_timeout: float = opt(15.0, "seconds to wait for the next part from a groupmate before dropping it")
+    request_timeout: float = opt(3.0, "seconds to wait for a matchmaking reply")
+    sync_timeout: float = opt(0.0, "max seconds of sync per round, retries included (0 = derived)")
+    retries: int = opt(2, "times to retry with the survivors after an all-reduce lost a member")
+
+    def __post_init__(self):
+        for name in ("allreduce_timeout", "part_timeout", "request_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.retries < 0 or self.sync_timeout < 0:
+            raise ValueError("retries and sync_timeout must be >= 0")
+
+    def round_budget(self, grace_seconds: float) -> float:
+        """The longest a round's sync may block this peer: matchmaking plus all-reduce, per attempt."""
+        if self.sync_timeout:
+            return self.sync_timeout
+        return (1 + self.retries) * (grace_seconds + 2 * self.request_timeout + self.allreduce_timeout)

@@ -1,0 +1,44 @@
+"""How a peer reads the swarm without a server: pure functions over the peers' DHT records.
+
+- fork choice: the state with the most tokens merged wins, then the lowest hash (DESIGN.md step 7);
+  every peer that reads the same records picks the same winner;
+- the expected group: live peers that hold our exact state, so the matchmaking leader can close the
+  group as soon as they have all joined instead of waiting out the grace window;
+- the swarm's schedule: when the peers holding our state plan to sync, so a joiner lines its first
+  round up with theirs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterable, List, Optional
+
+from dht.records import PeerRecord
+
+
+def live(records: Iterable[PeerRecord], manifest_hash: str) -> List[PeerRecord]:
+    return [r for r in records if r.manifest_hash == manifest_hash and r.status != "left"]
+
+
+def fork_key(record: PeerRecord):
+    """Sort key, best first: most tokens merged, then the lowest hash as a deterministic tie-break."""
+    return (-int(record.tokens_total), str(record.state_hash))
+
+
+def choose_state(records: Iterable[PeerRecord], mine: PeerRecord) -> Optional[PeerRecord]:
+    """The record of the state this peer should adopt, or None if its own state is the best."""
+    candidates = live(records, mine.manifest_hash) + [mine]
+    best = min(candidates, key=fork_key)
+    return None if best.state_hash == mine.state_hash else best
+
+
+def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord) -> List[PeerRecord]:
+    """Other live peers at exactly our (epoch, state hash): the ones we can average with."""
+    return [r for r in live(records, mine.manifest_hash)
+            if r.peer_id != mine.peer_id and r.epoch == mine.epoch and r.state_hash == mine.state_hash]
+
+
+def swarm_sync_time(records: Iterable[PeerRecord], mine: PeerRecord, now: float) -> Optional[float]:
+    """The median time the peers holding our state plan to start matchmaking, if it is still ahead."""
+    times = [r.next_sync_at for r in peers_with_state(records, mine) if r.next_sync_at and r.next_sync_at > now]
+    return statistics.median(times) if times else None

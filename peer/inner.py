@@ -1,0 +1,97 @@
+"""The inner loop: AdamW on the local model, with warmup and cosine decay, clipping and accumulation.
+
+Like nanoGPT's loop, but bounded by a step budget and a wall-clock deadline, so a round ends after H
+steps or when the swarm's schedule says so. On CUDA it runs under bf16 autocast with fused AdamW.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, List, Optional
+
+import torch
+
+from peer.config import RunConfig
+
+
+@dataclass
+class InnerStats:
+    steps: int = 0
+    tokens: int = 0
+    loss: float = float("nan")  # mean training loss over the round's steps
+    compute_seconds: float = 0.0
+    lr: float = 0.0
+
+
+class InnerTrainer:
+    def __init__(self, model: torch.nn.Module, run: RunConfig, device: torch.device, micro_batch: int = 0):
+        self.model, self.run, self.device = model.to(device), run, device
+        self.params: List[torch.nn.Parameter] = list(self.model.parameters())
+        self.micro_batch = micro_batch or run.batch_size
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=run.lr, betas=(0.9, 0.95), weight_decay=run.weight_decay,
+            fused=device.type == "cuda",
+        )
+        self.local_steps = 0  # steps taken by this optimizer since it was created (drives warmup)
+        self.autocast = device.type == "cuda"
+
+    def lr_at(self, global_step: int) -> float:
+        """Warmup on this peer's own fresh optimizer, cosine decay along the swarm's global step."""
+        run = self.run
+        warmup = min(1.0, (self.local_steps + 1) / run.warmup_steps) if run.warmup_steps else 1.0
+        progress = min(1.0, global_step / max(run.lr_decay_steps, 1))
+        cosine = run.min_lr_ratio + (1 - run.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return run.lr * warmup * cosine
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        batch = batch.to(self.device, non_blocking=True)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return self.model(input_ids=batch, labels=batch).loss
+
+    def train(self, batches: Iterator[torch.Tensor], max_steps: int, global_step: int,
+              deadline: Optional[float] = None, should_stop: Callable[[], bool] = lambda: False,
+              on_step: Callable[[int, float, float], None] = lambda step, loss, lr: None) -> InnerStats:
+        """Up to ``max_steps`` AdamW steps, stopping early at ``deadline`` (monotonic) or on request."""
+        self.model.train()
+        stats, losses, start = InnerStats(), [], time.monotonic()
+        while stats.steps < max_steps and not should_stop():
+            if deadline is not None and stats.steps > 0 and time.monotonic() >= deadline:
+                break
+            lr = self.lr_at(global_step + stats.steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            batch = next(batches)
+            micro = batch.split(self.micro_batch)
+            total = 0.0
+            for chunk in micro:
+                loss = self._loss(chunk) / len(micro)
+                loss.backward()
+                total += loss.item()
+            if self.run.grad_clip:
+                torch.nn.utils.clip_grad_norm_(self.params, self.run.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.local_steps += 1
+            stats.steps += 1
+            stats.tokens += batch.numel()
+            stats.lr = lr
+            losses.append(total)
+            on_step(stats.steps, total, lr)
+        stats.compute_seconds = time.monotonic() - start
+        stats.loss = sum(losses) / len(losses) if losses else float("nan")
+        return stats
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[torch.Tensor]) -> float:
+        self.model.eval()
+        losses = [self._loss(batch).item() for batch in batches]
+        self.model.train()
+        return sum(losses) / len(losses) if losses else float("nan")
+
+    def first_moments(self) -> List[torch.Tensor]:
+        """AdamW's exp_avg per parameter, for momentum alignment; a parameter not stepped yet gets a
+        throwaway zero tensor, so writing averaged moments into the list leaves it untouched."""
+        states = [self.optimizer.state.get(p, {}) for p in self.params]
+        return [s["exp_avg"] if "exp_avg" in s else torch.zeros_like(p) for s, p in zip(states, self.params)]

@@ -1,0 +1,292 @@
+"""A training node: build it from its configs, run it round by round, close it on every path.
+
+    peer = Peer(run_flags, node, sync, net)
+    try:
+        peer.build()
+        peer.run()
+    finally:
+        peer.close()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any, Dict, Optional
+
+import torch
+from hivemind.utils import get_dht_time
+
+from compression import get_codec
+from dht.errors import UserError
+from dht.manifest import MANIFEST_TTL, RunManifest, join_or_create, publish_manifest
+from dht.node import DHTConfig, start_dht, visible_maddrs
+from peer.averager import SwarmAverager
+from peer.checkpoint import load_checkpoint, save_checkpoint
+from peer.config import NodeConfig, RunConfig, SyncConfig
+from peer.consensus import swarm_sync_time
+from peer.data import load_corpus, load_tokenizer
+from peer.faults import FaultPlan
+from peer.flat import FlatLayout
+from peer.inner import InnerTrainer
+from peer.model import build_model, count_parameters
+from peer.outer import GlobalState
+from peer.report import Reporter
+from peer.sync import SyncResult, Synchronizer
+
+logger = logging.getLogger(__name__)
+
+
+class Peer:
+    def __init__(self, run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, net: DHTConfig):
+        self.run_flags, self.node, self.sync_config, self.net = run_flags, node, sync, net
+        self.reporter = Reporter(node.metrics_file, node.quiet)
+        self.fault_plan = FaultPlan.parse(node.fault_plan)
+        self.stop_requested = threading.Event()
+        self.lock = threading.Lock()  # guards the global state against a concurrent download by a peer
+        self.dht = self.averager = self.synchronizer = None
+        self.rounds = self.pending_tokens = self.pending_rounds = 0
+        self.last_loss: Optional[float] = None
+        self.last_round_seconds: Optional[float] = None
+        self.step_seconds: Optional[float] = None
+        self.manifest_published_at = 0.0
+
+    # ------------------------------------------------------------------ build
+    def build(self) -> None:
+        if self.node.threads:
+            torch.set_num_threads(self.node.threads)
+        payload = None
+        net = self.net
+        if self.node.checkpoint_dir:
+            os.makedirs(self.node.checkpoint_dir, exist_ok=True)
+            payload = load_checkpoint(self.node.checkpoint_dir)  # a corrupt file fails here, before any network
+            if net.identity_path is None:
+                net = dataclasses.replace(net, identity_path=os.path.join(self.node.checkpoint_dir, "identity.key"))
+        self.dht = start_dht(net)
+        self.peer_id = self.dht.peer_id.to_base58()
+        self.manifest = self._resolve_manifest(payload)
+        self.run = run = RunConfig.from_settings(dict(self.manifest.settings))
+
+        tokenizer = load_tokenizer(run.tokenizer)
+        self.corpus = load_corpus(run.dataset, tokenizer, run.seq_len, run.eval_fraction, run.dataset_config,
+                                  text_field=run.text_field)
+        self.eval_batches = self.corpus.eval_batches(run.eval_batches, run.batch_size)
+        device = torch.device(self.node.device if self.node.device != "auto"
+                              else ("cuda" if torch.cuda.is_available() else "cpu"))
+        model = build_model(run.model, tokenizer.vocab_size, run.seq_len, run.seed)
+        self.trainer = InnerTrainer(model, run, device, self.node.micro_batch)
+        self.layout = FlatLayout(self.trainer.params)
+        params = self.layout.gather(self.trainer.params, self.layout.empty())
+        self.state = GlobalState(params=params, momentum=self.layout.empty())
+        position = 0
+        if payload is not None:
+            position = self._restore(payload)
+        self.stream = self.corpus.stream(run.seed, self.peer_id, position)
+
+        self.delta = self.layout.empty(shared=True)
+        self.moment = self.layout.empty(shared=True) if run.align_every else None
+        codec = get_codec(run.compression)
+        self.averager = SwarmAverager(
+            self.delta, self.moment, self.dht, prefix=f"{self.node.run_id}_{self.manifest.hash}", codec=codec,
+            state_provider=self._share_state, quorum=run.quorum, grace_seconds=run.grace_seconds,
+            request_timeout=self.sync_config.request_timeout, allreduce_timeout=self.sync_config.allreduce_timeout,
+            part_timeout=self.sync_config.part_timeout, client_mode=net.client_mode,
+            fault_hook=self.fault_plan.fire if self.fault_plan else None,
+        )
+        self.averager.run_in_background(await_ready=True)
+        self.install_signal_handlers()  # hivemind ignores SIGINT in the parent while it forks
+        self.synchronizer = Synchronizer(
+            averager=self.averager, dht=self.dht, run_id=self.node.run_id, manifest_hash=self.manifest.hash,
+            peer_id=self.peer_id, state=self.state, trainer=self.trainer, layout=self.layout, run=run,
+            sync=self.sync_config, delta=self.delta, moment=self.moment, lock=self.lock,
+            client_mode=net.client_mode,
+        )
+        if self.synchronizer.catch_up(timeout=60.0):
+            self.reporter.info(f"downloaded the swarm's state: epoch {self.state.epoch}, hash {self.state.hash()}")
+        self._publish()
+        self._announce(count_parameters(model), device)
+
+    def _resolve_manifest(self, payload: Optional[dict]) -> RunManifest:
+        """The run's manifest: the swarm's if it has one, else ours (from the checkpoint or the flags)."""
+        run_id = self.node.run_id
+        if payload is not None:
+            proposal = RunManifest(run_id, payload["manifest_settings"])
+        else:
+            proposal = RunManifest(run_id, RunConfig(**self.run_flags).to_settings())
+        if self.net.initial_peers:
+            manifest = join_or_create(self.dht, proposal)
+        else:
+            publish_manifest(self.dht, proposal)
+            manifest = proposal
+        self.manifest_published_at = time.monotonic()
+        for name, value in self.run_flags.items():
+            if manifest.settings.get(name) != value:
+                raise UserError(
+                    f"--{name.replace('_', '-')} {value} conflicts with run '{run_id}', which uses "
+                    f"{name}={manifest.settings.get(name)}; drop the flag to join it, or pass another --run-id "
+                    f"to start a new run"
+                )
+        if payload is not None and payload["manifest_hash"] != manifest.hash:
+            raise UserError(
+                f"checkpoint in {self.node.checkpoint_dir} belongs to another configuration of run '{run_id}' "
+                f"(manifest {payload['manifest_hash']}, the swarm's is {manifest.hash}); use another --checkpoint-dir"
+            )
+        return manifest
+
+    def _restore(self, payload: dict) -> int:
+        """Resume epoch, outer state, inner model and optimizer, and data position from a checkpoint."""
+        self.state.params.copy_(payload["params"])
+        self.state.momentum.copy_(payload["momentum"])
+        self.state.epoch, self.state.tokens_total = int(payload["epoch"]), int(payload["tokens_total"])
+        self.state.merged = dict(payload["merged"])
+        self.layout.scatter(payload["theta"], self.trainer.params)
+        self.trainer.optimizer.load_state_dict(payload["optimizer"])
+        self.trainer.local_steps = int(payload["local_steps"])
+        self.pending_tokens, self.pending_rounds = int(payload["pending_tokens"]), int(payload["pending_rounds"])
+        self.rounds, self.last_loss = int(payload["rounds"]), payload.get("last_loss")
+        self.reporter.info(f"resumed from {self.node.checkpoint_dir}: epoch {self.state.epoch}, "
+                           f"loss {self.last_loss if self.last_loss is None else round(self.last_loss, 3)}")
+        return int(payload["data_position"])
+
+    def _announce(self, num_params: int, device: torch.device) -> None:
+        run = self.run
+        self.reporter.info(
+            f"peer {self.peer_id} | run '{self.node.run_id}' ({self.manifest.hash}) | {run.model}: "
+            f"{num_params / 1e6:.1f}M parameters on {device} | H={run.inner_steps} | {run.compression}"
+        )
+        if not self.net.client_mode:
+            self.reporter.info("others join this run with --initial-peers and one of:")
+            for maddr in visible_maddrs(self.dht):
+                print(f"  {maddr}", flush=True)
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum, _frame):
+            if self.stop_requested.is_set():
+                os._exit(130)  # a second Ctrl+C: quit now (children die with us)
+            self.stop_requested.set()
+            self.reporter.info(f"{signal.Signals(signum).name}: leaving after the current step "
+                               f"(checkpoint, then exit); press Ctrl+C again to quit at once")
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, handler)
+
+    def _share_state(self):
+        """(metadata, [G, m]) for a peer downloading our state: a consistent snapshot under the lock."""
+        with self.lock:
+            return self.state.metadata(), [self.state.params.clone(), self.state.momentum.clone()]
+
+    # ------------------------------------------------------------------ run
+    def run_rounds(self) -> int:
+        max_rounds, run = self.node.max_rounds, self.run
+        batches = iter(lambda: self.stream.next_batch(run.batch_size), None)
+        while not self.stop_requested.is_set() and not (max_rounds and self.rounds >= max_rounds):
+            round_start = time.monotonic()
+            steps, deadline = self._plan_round()
+            epoch_at_start = self.state.epoch
+            self.reporter.start_round(self.state.epoch, steps if steps < 10**9 else 0)
+
+            def on_step(step: int, loss: float, lr: float) -> None:
+                elapsed = time.monotonic() - round_start
+                self.reporter.step(step, loss, step * run.batch_size * run.seq_len / max(elapsed, 1e-9))
+                if self.fault_plan and step == max(1, steps // 2):
+                    self.fault_plan.fire("inner", epoch_at_start)
+
+            stats = self.trainer.train(batches, steps, self._global_step(), deadline,
+                                       self.stop_requested.is_set, on_step)
+            self.reporter.end_round()
+            if stats.steps == 0 or self.stop_requested.is_set():
+                self.pending_tokens += stats.tokens
+                break
+            self.pending_tokens += stats.tokens
+            self.pending_rounds += 1
+            self.step_seconds = stats.compute_seconds / stats.steps
+
+            sync_start = time.monotonic()
+            result = self.synchronizer.sync(self.pending_tokens, self.sync_config.round_budget(run.grace_seconds))
+            sync_seconds = time.monotonic() - sync_start
+            stale = self.pending_rounds - 1
+            if result.applied:
+                self.pending_tokens = self.pending_rounds = 0
+            self.rounds += 1
+            self.last_loss = stats.loss
+            self.last_round_seconds = time.monotonic() - round_start
+            eval_loss = None
+            if result.applied and self.state.epoch % run.eval_every == 0:
+                eval_loss = self.trainer.evaluate(self.eval_batches)
+            self.reporter.round(self._metrics(stats, result, sync_seconds, stale, eval_loss))
+            self._publish()
+            self._checkpoint()
+        return 0
+
+    def _plan_round(self):
+        """(max steps, deadline): H steps, or a wall-clock budget; and no later than the swarm's next sync."""
+        run = self.run
+        if run.round_seconds:
+            steps, deadline = 10**9, time.monotonic() + run.round_seconds
+        else:
+            steps, deadline = run.inner_steps, None
+        now = get_dht_time()
+        swarm_time = swarm_sync_time(self.synchronizer.refresh().values(), self.synchronizer.my_record(), now)
+        if swarm_time is not None:
+            aligned = time.monotonic() + (swarm_time - now)
+            deadline = aligned if deadline is None else min(deadline, aligned)
+        return steps, deadline
+
+    def _global_step(self) -> int:
+        return self.state.epoch * self.run.inner_steps
+
+    def _metrics(self, stats, result: SyncResult, sync_seconds: float, stale: int, eval_loss) -> Dict[str, Any]:
+        return dict(
+            epoch=self.state.epoch, time=time.time(), peer_id=self.peer_id, round=self.rounds, loss=stats.loss,
+            eval_loss=eval_loss, tokens=stats.tokens, tokens_total=self.state.tokens_total,
+            inner_steps=stats.steps, group_size=len(result.group), group=list(result.group),
+            state_hash=self.state.hash(), bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+            compute_seconds=stats.compute_seconds, sync_seconds=sync_seconds, stale=stale,
+            rebased=result.rebased, applied=result.applied, attempts=result.attempts, aligned=result.aligned,
+            lr=stats.lr, tokens_per_second=stats.tokens / max(stats.compute_seconds, 1e-9), error=result.error,
+        )
+
+    # ------------------------------------------------------------------ publish, checkpoint, close
+    def _publish(self, status: str = "training") -> None:
+        ttl = max(30.0, 3 * (self.last_round_seconds or 0.0))
+        compute = self.run.round_seconds or (self.step_seconds or 0) * self.run.inner_steps
+        next_sync_at = get_dht_time() + compute if compute and status == "training" else None
+        self.synchronizer.publish(
+            ttl, status=status, loss=self.last_loss, next_sync_at=next_sync_at,
+            round_seconds=self.last_round_seconds,
+            tokens_per_second=self.run.batch_size * self.run.seq_len / self.step_seconds if self.step_seconds else 0.0,
+        )
+        if time.monotonic() - self.manifest_published_at > MANIFEST_TTL / 4:
+            publish_manifest(self.dht, self.manifest)
+            self.manifest_published_at = time.monotonic()
+
+    def _checkpoint(self) -> None:
+        if not self.node.checkpoint_dir:
+            return
+        with self.lock:
+            payload = dict(
+                manifest_settings=dict(self.manifest.settings), manifest_hash=self.manifest.hash,
+                run_id=self.node.run_id, peer_id=self.peer_id, params=self.state.params,
+                momentum=self.state.momentum, epoch=self.state.epoch, tokens_total=self.state.tokens_total,
+                merged=dict(self.state.merged), theta=self.layout.gather(self.trainer.params, self.layout.empty()),
+                optimizer=self.trainer.optimizer.state_dict(), local_steps=self.trainer.local_steps,
+                data_position=self.stream.position, pending_tokens=self.pending_tokens,
+                pending_rounds=self.pending_rounds, rounds=self.rounds, last_loss=self.last_loss,
+            )
+            save_checkpoint(self.node.checkpoint_dir, payload)
+
+    def close(self) -> None:
+        """Checkpoint, tell the swarm we left, and stop our processes; safe to call on any path."""
+        if self.synchronizer is not None:
+            self._checkpoint()
+            try:
+                self._publish(status="left")
+            except Exception as e:  # the p2p daemon may already be gone (Ctrl+C reaches it too)
+                logger.debug(f"could not publish our departure: {e!r}")
+        for component in (self.averager, self.dht):
+            if component is not None and component.is_alive():
+                component.shutdown()

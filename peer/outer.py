@@ -1,0 +1,75 @@
+"""The outer optimizer and the global state it updates: plain functions on CPU fp32 tensors.
+
+Bit-identical results on every group member need every member to run the same IEEE operations in
+the same order. Each operation here is a single rounded op (mul, add, sub); none is a fused
+multiply-add (``add_(x, alpha=a)`` may compile to FMA on one CPU and not on another). It all runs on
+the CPU in fp32, in chunks so memory stays at one chunk beyond the state itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Dict, Iterable
+
+import numpy as np
+import torch
+
+CHUNK = 1 << 22  # values per chunk of the outer step: 16 MiB of temporaries at most
+MERGED_HISTORY = 256  # peers remembered in GlobalState.merged
+
+
+@dataclass
+class GlobalState:
+    """What a peer holds of the run: global parameters G, outer momentum m, epoch e, and lineage facts."""
+
+    params: torch.Tensor  # G: flat fp32 CPU
+    momentum: torch.Tensor  # m: flat fp32 CPU
+    epoch: int = 0
+    tokens_total: int = 0  # tokens merged into this lineage; fork choice prefers more
+    merged: Dict[str, int] = field(default_factory=dict)  # peer id -> last epoch its delta was merged
+
+    def hash(self) -> str:
+        return state_hash(self.params, self.momentum, self.epoch)
+
+    def metadata(self) -> dict:
+        return dict(epoch=self.epoch, tokens_total=self.tokens_total, merged=dict(self.merged), hash=self.hash())
+
+
+def state_hash(params: torch.Tensor, momentum: torch.Tensor, epoch: int) -> str:
+    """hash(G, m, e): SHA-256 over the raw fp32 bytes, read without copies."""
+    digest = hashlib.sha256()
+    for tensor in (params, momentum):
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError("the global state must be contiguous fp32 CPU tensors")
+        digest.update(memoryview(tensor.numpy()).cast("B"))
+    digest.update(np.int64(epoch).tobytes())
+    return digest.hexdigest()[:16]
+
+
+@torch.no_grad()
+def nesterov_step(params: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float, mu: float) -> None:
+    """Outer Nesterov SGD on the averaged pseudo-gradient, in place (DiLoCo, arXiv 2311.08105):
+
+        m <- mu * m + delta
+        G <- G - lr * (delta + mu * m)
+
+    the same update as torch.optim.SGD(nesterov=True), written without fused ops.
+    """
+    for start in range(0, params.numel(), CHUNK):
+        g, m, d = (t[start : start + CHUNK] for t in (params, momentum, delta))
+        m.mul_(mu).add_(d)
+        update = torch.mul(m, mu)
+        update.add_(d)
+        update.mul_(lr)
+        g.sub_(update)
+
+
+def merge_contributors(merged: Dict[str, int], peers: Iterable[str], epoch: int) -> Dict[str, int]:
+    """Record that ``peers`` contributed to the outer step taken at ``epoch``; keep the newest entries."""
+    updated = dict(merged)
+    for peer in peers:
+        updated[peer] = epoch
+    if len(updated) > MERGED_HISTORY:
+        updated = dict(sorted(updated.items(), key=lambda kv: (kv[1], kv[0]))[-MERGED_HISTORY:])
+    return updated

@@ -1,0 +1,218 @@
+"""The sync phase of a round, behind one call: catch up, average, apply the outer step.
+
+``Synchronizer.sync(tokens)``:
+1. catch up: if the swarm holds a better state (fork choice), download it from its holders, check
+   its hash, and rebase the local model onto it, keeping this peer's unmerged work (theta <- G_new - delta);
+2. write delta = G - theta (and, every k rounds, AdamW's first moment) into the averager's buffers;
+3. matchmaking among the live peers that hold the same (epoch, hash), for at most the grace window,
+   then the exact all-reduce, weighted by tokens; a lost member fails the attempt and it is retried
+   with the survivors from G and theta, which the attempt never touched;
+4. on success, Nesterov on the averaged delta, identical on every member: e <- e+1, theta <- G.
+If no group forms, a peer alone (quorum 1) applies its own delta: a lone peer never blocks. With a
+larger quorum it applies nothing, keeps training, and its delta keeps growing.
+
+A peer also remembers its own last few deltas. When it adopts a state whose lineage lacks some of
+them (it lost a fork), it carries them into its next contribution, so its work is not dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+import time
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional, Tuple
+
+import torch
+from hivemind.averaging.partition import AllreduceException
+from hivemind.utils import get_dht_time
+
+from dht.records import PeerRecord, RecordPublisher, fetch_records
+from peer.averager import SwarmAverager
+from peer.config import RunConfig, SyncConfig
+from peer.consensus import choose_state, peers_with_state
+from peer.flat import FlatLayout
+from peer.inner import InnerTrainer
+from peer.outer import GlobalState, merge_contributors, nesterov_step, state_hash
+
+logger = logging.getLogger(__name__)
+
+NO_GROUP = "could not find a group"
+KEEP_CONTRIBUTIONS = 2  # own deltas remembered for re-contribution after losing a fork (model-sized each)
+
+
+@dataclass
+class SyncResult:
+    applied: bool = False
+    group: Tuple[str, ...] = ()
+    group_tokens: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    attempts: int = 0
+    aligned: bool = False
+    rebased: bool = False
+    error: Optional[str] = None
+
+
+class Synchronizer:
+    def __init__(self, *, averager: SwarmAverager, dht, run_id: str, manifest_hash: str, peer_id: str,
+                 state: GlobalState, trainer: InnerTrainer, layout: FlatLayout, run: RunConfig,
+                 sync: SyncConfig, delta: torch.Tensor, moment: Optional[torch.Tensor], lock: threading.Lock,
+                 client_mode: bool):
+        self.averager, self.dht, self.run_id, self.manifest_hash = averager, dht, run_id, manifest_hash
+        self.peer_id, self.state, self.trainer, self.layout = peer_id, state, trainer, layout
+        self.run, self.config, self.delta, self.moment, self.lock = run, sync, delta, moment, lock
+        self.client_mode = client_mode
+        self.records: Dict[str, PeerRecord] = {}
+        self.publisher = RecordPublisher(dht, run_id)
+        self.contributions: Deque[Tuple[int, torch.Tensor]] = deque(maxlen=KEEP_CONTRIBUTIONS)
+
+    # ---- the swarm's view ----
+    def my_record(self, **fields) -> PeerRecord:
+        return PeerRecord(peer_id=self.peer_id, epoch=self.state.epoch, state_hash=self.state.hash(),
+                          tokens_total=self.state.tokens_total, manifest_hash=self.manifest_hash,
+                          client_mode=self.client_mode, **fields)
+
+    def refresh(self) -> Dict[str, PeerRecord]:
+        self.records = {pid: r for pid, r in fetch_records(self.dht, self.run_id).items() if pid != self.peer_id}
+        return self.records
+
+    def publish(self, ttl: float, **fields) -> None:
+        self.publisher.publish(self.my_record(**fields), ttl)
+
+    # ---- catch-up ----
+    def catch_up(self, timeout: float) -> bool:
+        """Adopt the swarm's best state if it beats ours; True if we rebased onto it."""
+        best = choose_state(self.refresh().values(), self.my_record())
+        if best is None:
+            return False
+        donors = [r.peer_id for r in self.records.values() if r.state_hash == best.state_hash and not r.client_mode]
+        logger.info(f"swarm is at epoch {best.epoch} ({best.state_hash[:8]}), we are at {self.state.epoch}: "
+                    f"downloading the state from {len(donors)} peer(s)")
+        downloaded = self.averager.download_state(donors, timeout=timeout)
+        if downloaded is None:
+            logger.warning("could not download the swarm's state from any holder; training on ours for now")
+            return False
+        donor, metadata, tensors = downloaded
+        if not self.adopt(metadata, tensors):
+            logger.warning(f"peer {donor} sent a state that fails its hash check; ignored")
+            return False
+        return True
+
+    def adopt(self, metadata: dict, tensors: List[torch.Tensor]) -> bool:
+        """Verify a downloaded (G, m, e) against its hash and rebase onto it.
+
+        theta <- G_new - (G - theta) - (own deltas that the new lineage has not merged)
+        """
+        try:
+            params, momentum = (t.to(torch.float32).reshape(-1).contiguous() for t in tensors)
+            epoch, tokens_total, claimed = int(metadata["epoch"]), int(metadata["tokens_total"]), metadata["hash"]
+            merged = {str(k): int(v) for k, v in dict(metadata.get("merged", {})).items()}
+        except (KeyError, TypeError, ValueError):
+            return False
+        if params.numel() != self.layout.numel or momentum.numel() != self.layout.numel:
+            return False
+        if state_hash(params, momentum, epoch) != claimed:
+            return False
+        with self.lock:
+            shift = params - self.state.params  # one temporary copy; freed when we return
+            mine_merged = merged.get(self.peer_id, -1)
+            for contributed_at, delta in self.contributions:
+                if contributed_at > mine_merged:  # merged only in the lineage we are leaving
+                    shift.sub_(delta)
+            self.contributions.clear()
+            self.layout.add_into(shift, self.trainer.params)
+            self.state.params, self.state.momentum = params, momentum
+            self.state.epoch, self.state.tokens_total, self.state.merged = epoch, tokens_total, merged
+        return True
+
+    # ---- one round ----
+    def sync(self, tokens: int, budget: float) -> SyncResult:
+        result, deadline = SyncResult(), time.monotonic() + budget
+        result.rebased = self.catch_up(timeout=max(budget / 3, 5.0))
+        while result.attempts <= self.config.retries and time.monotonic() < deadline:
+            result.attempts += 1
+            align = bool(self.moment is not None and (self.state.epoch + 1) % self.run.align_every == 0)
+            if not self._fill_buffers(align):
+                result.error = "local pseudo-gradient is not finite: dropped this round's work"
+                break
+            expected = 1 + len(peers_with_state(self.records.values(), self.my_record()))
+            logger.debug(f"epoch {self.state.epoch}: expecting a group of {expected}")
+            if expected == 1:  # nobody else holds our state: no one to wait for
+                self._apply_alone(tokens, result)
+                break
+            self.averager.prepare_round(self.state.epoch, self.state.hash(), max(2, self.run.quorum), expected)
+            try:
+                outcome = self._average(tokens, align, deadline)
+            except (AllreduceException, TimeoutError) as e:
+                if NO_GROUP in str(e):
+                    self._apply_alone(tokens, result)
+                    break
+                result.error = f"all-reduce failed ({e}); retrying with the survivors"
+                logger.warning(result.error)
+                self.catch_up(timeout=max(deadline - time.monotonic(), 1.0))
+                continue
+            self._apply(outcome, result)
+            break
+        return result
+
+    def _apply_alone(self, tokens: int, result: SyncResult) -> None:
+        """No group formed: with quorum 1 the peer's own delta is its outer step; otherwise wait."""
+        if self.run.quorum > 1:
+            result.error = f"no group of at least {self.run.quorum} peers formed"
+            return
+        outcome = dict(gathered={self.peer_id: dict(tokens=tokens)}, aligned=False, bytes_sent=0, bytes_received=0)
+        self._apply(outcome, result)
+
+    def _fill_buffers(self, align: bool) -> bool:
+        with self.averager.get_tensors():
+            self.layout.gather(self.trainer.params, self.delta)
+            torch.sub(self.state.params, self.delta, out=self.delta)  # delta = G - theta
+            if align:
+                self.layout.gather(self.trainer.first_moments(), self.moment)
+            if torch.isfinite(self.delta).all():
+                return True
+        logger.error("the local model diverged (non-finite pseudo-gradient); resetting it to the global state")
+        self.layout.scatter(self.state.params, self.trainer.params)
+        return False
+
+    def _average(self, tokens: int, align: bool, deadline: float) -> dict:
+        grace = self.run.grace_seconds
+        gather = dict(epoch=self.state.epoch, hash=self.state.hash(), tokens=tokens, align=align)
+        control = self.averager.step(
+            gather=gather, weight=float(tokens), scheduled_time=get_dht_time() + grace,
+            timeout=grace + 3 * self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False, wait=False,
+        )
+        try:
+            return control.result(timeout=max(deadline - time.monotonic(), 0.1))
+        except TimeoutError:
+            control.cancel()
+            raise TimeoutError("the sync deadline passed") from None
+
+    def _apply(self, outcome: dict, result: SyncResult) -> None:
+        gathered = outcome["gathered"]
+        mine = (self.state.epoch, self.state.hash())
+        if any((info.get("epoch", mine[0]), info.get("hash", mine[1])) != mine for info in gathered.values()):
+            result.error = "a groupmate held a different state; not applied"  # round keys make this unreachable
+            return
+        own_delta = self.layout.gather(self.trainer.params, self.layout.empty())
+        torch.sub(self.state.params, own_delta, out=own_delta)  # our delta again: the buffer now holds the average
+        with self.lock, self.averager.get_tensors():
+            if not torch.isfinite(self.delta).all():
+                result.error = "the averaged pseudo-gradient is not finite; not applied"
+                return
+            self.contributions.append((self.state.epoch, own_delta))
+            nesterov_step(self.state.params, self.state.momentum, self.delta, self.run.outer_lr,
+                          self.run.outer_momentum)
+            if outcome["aligned"]:
+                self.layout.scatter(self.moment, self.trainer.first_moments())
+            self.state.merged = merge_contributors(self.state.merged, gathered, self.state.epoch)
+            self.state.epoch += 1
+            self.state.tokens_total += sum(int(info["tokens"]) for info in gathered.values())
+            self.layout.scatter(self.state.params, self.trainer.params)  # theta <- G
+        result.applied, result.aligned = True, outcome["aligned"]
+        result.group = tuple(sorted(gathered))
+        result.group_tokens = sum(int(info["tokens"]) for info in gathered.values())
+        result.bytes_sent += outcome["bytes_sent"]
+        result.bytes_received += outcome["bytes_received"]
