@@ -37,6 +37,8 @@ def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # hivemind logs every failed all-reduce with a traceback; our own lines say what happened
     logging.getLogger("hivemind").setLevel(logging.INFO if verbose else logging.CRITICAL)
+    if verbose:
+        logging.getLogger("peer").setLevel(logging.DEBUG)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -43,6 +43,10 @@ def round_bits(epoch: int, state_hash: str) -> str:
     return format(int.from_bytes(digest[:8], "big"), "064b")
 
 
+async def _keep_round_key(group_info) -> None:
+    pass
+
+
 class SwarmAverager(DecentralizedAverager):
     """Averages ``delta`` (and ``moment`` on alignment rounds) with whichever peers share our state."""
 
@@ -105,15 +109,25 @@ class SwarmAverager(DecentralizedAverager):
                              future: MPFuture) -> None:
         try:
             self.round_epoch = epoch
-            self._matchmaking.group_key_manager.group_bits = bits
+            key_manager = self._matchmaking.group_key_manager
+            key_manager.group_bits = bits
+            # hivemind re-buckets the key after each group, assuming groups never exceed the target; our
+            # key is set afresh every round, so skip that (it raises when a group outgrows the target)
+            key_manager.update_key_on_group_assembled = _keep_round_key
             self._matchmaking.min_group_size = min_group
             target = max(expected_group, min_group)
             self._matchmaking.target_group_size = target
-            self._matchmaking.group_key_manager.target_group_size = target
+            key_manager.target_group_size = target
             self._matchmaking.potential_leaders.target_group_size = target
             future.set_result(None)
         except BaseException as e:
             future.set_exception(e)
+
+    async def _step(self, **kwargs) -> None:
+        try:
+            await super()._step(**kwargs)
+        except Exception as e:  # already delivered to the caller through its StepControl
+            logger.debug(f"averaging step failed: {e!r}")
 
     # ---- all-reduce (averager process) ----
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> Dict[str, Any]:

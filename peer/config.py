@@ -101,7 +101,7 @@ class NodeConfig:
     micro_batch: int = opt(0, "sequences per forward pass; accumulates gradients up to --batch-size (0 = all)")
     threads: int = opt(0, "torch CPU threads (0 = torch's default)")
     quiet: bool = opt(False, "no progress bar: one summary line per round")
-    verbose: bool = opt(False, "log hivemind's internals too")
+    verbose: bool = opt(False, "debug logs, hivemind's internals included")
     fault_plan: Optional[str] = opt(None, "test-only fault injection, e.g. kill@allreduce:3 (see peer/faults.py)")
 
     def __post_init__(self):

@@ -4,8 +4,8 @@
   every peer that reads the same records picks the same winner;
 - the expected group: live peers that hold our exact state, so the matchmaking leader can close the
   group as soon as they have all joined instead of waiting out the grace window;
-- the swarm's schedule: when the peers holding our state plan to sync, so a joiner lines its first
-  round up with theirs.
+- the round target: when the peers holding our state plan to sync, so rounds end together and a
+  joiner lines its first round up with the others'.
 """
 
 from __future__ import annotations
@@ -38,7 +38,12 @@ def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord) -> List[Pe
             if r.peer_id != mine.peer_id and r.epoch == mine.epoch and r.state_hash == mine.state_hash]
 
 
-def swarm_sync_time(records: Iterable[PeerRecord], mine: PeerRecord, now: float) -> Optional[float]:
-    """The median time the peers holding our state plan to start matchmaking, if it is still ahead."""
+def round_target(records: Iterable[PeerRecord], mine: PeerRecord, own_plan: Optional[float],
+                 now: float) -> Optional[float]:
+    """When this round should end: the median of the planned sync times of every live peer holding our
+    state, our own plan included. Peers that read the same records end their rounds together, the
+    fast ones doing a few more steps and the slow ones a few fewer, so nobody waits at matchmaking."""
     times = [r.next_sync_at for r in peers_with_state(records, mine) if r.next_sync_at and r.next_sync_at > now]
+    if own_plan is not None:
+        times.append(own_plan)
     return statistics.median(times) if times else None

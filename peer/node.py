@@ -28,7 +28,7 @@ from dht.node import DHTConfig, start_dht, visible_maddrs
 from peer.averager import SwarmAverager
 from peer.checkpoint import load_checkpoint, save_checkpoint
 from peer.config import NodeConfig, RunConfig, SyncConfig
-from peer.consensus import swarm_sync_time
+from peer.consensus import peers_with_state, round_target
 from peer.data import load_corpus, load_tokenizer
 from peer.faults import FaultPlan
 from peer.flat import FlatLayout
@@ -185,7 +185,7 @@ class Peer:
         batches = iter(lambda: self.stream.next_batch(run.batch_size), None)
         while not self.stop_requested.is_set() and not (max_rounds and self.rounds >= max_rounds):
             round_start = time.monotonic()
-            steps, deadline = self._plan_round()
+            steps, deadline, rebased = self._plan_round()
             epoch_at_start = self.state.epoch
             self.reporter.start_round(self.state.epoch, steps if steps < 10**9 else 0)
 
@@ -203,10 +203,14 @@ class Peer:
                 break
             self.pending_tokens += stats.tokens
             self.pending_rounds += 1
-            self.step_seconds = stats.compute_seconds / stats.steps
+            # an EMA weighted by the round's share of H: one short round must not skew the schedule
+            seconds, weight = stats.compute_seconds / stats.steps, 0.5 * min(1.0, stats.steps / run.inner_steps)
+            self.step_seconds = seconds if self.step_seconds is None else \
+                (1 - weight) * self.step_seconds + weight * seconds
 
             sync_start = time.monotonic()
-            result = self.synchronizer.sync(self.pending_tokens, self.sync_config.round_budget(run.grace_seconds))
+            budget = self.sync_config.round_budget(run.grace_seconds)
+            result = self.synchronizer.sync(self.pending_tokens, budget, missed_rounds=self.pending_rounds - 1)
             sync_seconds = time.monotonic() - sync_start
             stale = self.pending_rounds - 1
             if result.applied:
@@ -217,24 +221,33 @@ class Peer:
             eval_loss = None
             if result.applied and self.state.epoch % run.eval_every == 0:
                 eval_loss = self.trainer.evaluate(self.eval_batches)
+            result.rebased = result.rebased or rebased
             self.reporter.round(self._metrics(stats, result, sync_seconds, stale, eval_loss))
-            self._publish()
             self._checkpoint()
         return 0
 
     def _plan_round(self):
-        """(max steps, deadline): H steps, or a wall-clock budget; and no later than the swarm's next sync."""
+        """(max steps, deadline, rebased) for the next inner phase.
+
+        A peer that is behind catches up first. Then the round ends at the target that all peers holding
+        this state agree on (consensus.round_target): about H steps (or --round-seconds) of the median
+        peer; a faster peer may do up to 2H steps meanwhile, a slower one fewer."""
         run = self.run
-        if run.round_seconds:
-            steps, deadline = 10**9, time.monotonic() + run.round_seconds
-        else:
-            steps, deadline = run.inner_steps, None
+        rebased = self.synchronizer.catch_up(timeout=60.0)
         now = get_dht_time()
-        swarm_time = swarm_sync_time(self.synchronizer.refresh().values(), self.synchronizer.my_record(), now)
-        if swarm_time is not None:
-            aligned = time.monotonic() + (swarm_time - now)
-            deadline = aligned if deadline is None else min(deadline, aligned)
-        return steps, deadline
+        if run.round_seconds:
+            own_plan = now + run.round_seconds
+        else:
+            own_plan = now + self.step_seconds * run.inner_steps if self.step_seconds else None
+        records, mine = self.synchronizer.records.values(), self.synchronizer.my_record()
+        target = round_target(records, mine, own_plan, now) if peers_with_state(records, mine) else None
+        self._publish(next_sync_at=target if target is not None else own_plan)
+        if target is None and run.round_seconds:  # nobody to line up with: our own budget
+            return 10**9, time.monotonic() + run.round_seconds, rebased
+        if target is None:
+            return run.inner_steps, None, rebased
+        steps = 10**9 if run.round_seconds else 2 * run.inner_steps
+        return steps, time.monotonic() + (target - now), rebased
 
     def _global_step(self) -> int:
         return self.state.epoch * self.run.inner_steps
@@ -251,13 +264,10 @@ class Peer:
         )
 
     # ------------------------------------------------------------------ publish, checkpoint, close
-    def _publish(self, status: str = "training") -> None:
+    def _publish(self, status: str = "training", next_sync_at: Optional[float] = None) -> None:
         ttl = max(30.0, 3 * (self.last_round_seconds or 0.0))
-        compute = self.run.round_seconds or (self.step_seconds or 0) * self.run.inner_steps
-        next_sync_at = get_dht_time() + compute if compute and status == "training" else None
-        self.synchronizer.publish(
-            ttl, status=status, loss=self.last_loss, next_sync_at=next_sync_at,
-            round_seconds=self.last_round_seconds,
+        self.synchronizer.announce(
+            ttl, status=status, loss=self.last_loss, next_sync_at=next_sync_at, round_seconds=self.last_round_seconds,
             tokens_per_second=self.run.batch_size * self.run.seq_len / self.step_seconds if self.step_seconds else 0.0,
         )
         if time.monotonic() - self.manifest_published_at > MANIFEST_TTL / 4:

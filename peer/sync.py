@@ -31,7 +31,7 @@ from hivemind.utils import get_dht_time
 from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
-from peer.consensus import choose_state, peers_with_state
+from peer.consensus import choose_state, peers_with_state, round_target
 from peer.flat import FlatLayout
 from peer.inner import InnerTrainer
 from peer.outer import GlobalState, merge_contributors, nesterov_step, state_hash
@@ -39,7 +39,14 @@ from peer.outer import GlobalState, merge_contributors, nesterov_step, state_has
 logger = logging.getLogger(__name__)
 
 NO_GROUP = "could not find a group"
+MAX_MISSED = 3  # unmerged rounds in a row after which a quorum-1 peer applies its delta alone
 KEEP_CONTRIBUTIONS = 2  # own deltas remembered for re-contribution after losing a fork (model-sized each)
+
+
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """An exception as one short line (p2p errors carry multi-line Go dial reports)."""
+    text = (str(error).strip().splitlines() or [repr(error)])[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -66,6 +73,7 @@ class Synchronizer:
         self.client_mode = client_mode
         self.records: Dict[str, PeerRecord] = {}
         self.publisher = RecordPublisher(dht, run_id)
+        self.announced: dict = dict(ttl=60.0)
         self.contributions: Deque[Tuple[int, torch.Tensor]] = deque(maxlen=KEEP_CONTRIBUTIONS)
 
     # ---- the swarm's view ----
@@ -78,8 +86,14 @@ class Synchronizer:
         self.records = {pid: r for pid, r in fetch_records(self.dht, self.run_id).items() if pid != self.peer_id}
         return self.records
 
-    def publish(self, ttl: float, **fields) -> None:
-        self.publisher.publish(self.my_record(**fields), ttl)
+    def announce(self, ttl: float, **fields) -> None:
+        """Publish our record with these fields (schedule, loss, speed, status); re-sent after a rebase."""
+        self.announced = dict(fields, ttl=ttl)
+        self._republish()
+
+    def _republish(self) -> None:
+        fields = dict(self.announced)
+        self.publisher.publish(self.my_record(**{k: v for k, v in fields.items() if k != "ttl"}), fields["ttl"])
 
     # ---- catch-up ----
     def catch_up(self, timeout: float) -> bool:
@@ -98,6 +112,7 @@ class Synchronizer:
         if not self.adopt(metadata, tensors):
             logger.warning(f"peer {donor} sent a state that fails its hash check; ignored")
             return False
+        self._republish()  # others count us in their next group as soon as we hold their state
         return True
 
     def adopt(self, metadata: dict, tensors: List[torch.Tensor]) -> bool:
@@ -128,9 +143,21 @@ class Synchronizer:
         return True
 
     # ---- one round ----
-    def sync(self, tokens: int, budget: float) -> SyncResult:
+    def sync(self, tokens: int, budget: float, missed_rounds: int = 0) -> SyncResult:
+        """Average this round's work with the peers that hold our state; see the module docstring.
+
+        ``missed_rounds``: rounds in a row this peer's work went unmerged. A peer that misses a group
+        while others hold its state does not step alone (that would fork the run); it catches up and
+        contributes later. Only after MAX_MISSED such rounds does a quorum-1 peer go on alone.
+        """
         result, deadline = SyncResult(), time.monotonic() + budget
         result.rebased = self.catch_up(timeout=max(budget / 3, 5.0))
+        if result.rebased:
+            # The peers holding the state we just adopted sized their groups from records that showed us
+            # behind, so they are not waiting for us now. Keep training on top of their state and
+            # contribute at their next sync, which our next round lines up with.
+            result.error = "caught up with the swarm; contributing at its next sync"
+            return result
         while result.attempts <= self.config.retries and time.monotonic() < deadline:
             result.attempts += 1
             align = bool(self.moment is not None and (self.state.epoch + 1) % self.run.align_every == 0)
@@ -138,27 +165,34 @@ class Synchronizer:
                 result.error = "local pseudo-gradient is not finite: dropped this round's work"
                 break
             expected = 1 + len(peers_with_state(self.records.values(), self.my_record()))
-            logger.debug(f"epoch {self.state.epoch}: expecting a group of {expected}")
+            logger.debug(f"epoch {self.state.epoch} {self.state.hash()[:6]}: expecting a group of {expected}; "
+                         f"records {[(r.peer_id[-4:], r.epoch, r.state_hash[:6]) for r in self.records.values()]}")
             if expected == 1:  # nobody else holds our state: no one to wait for
                 self._apply_alone(tokens, result)
                 break
             self.averager.prepare_round(self.state.epoch, self.state.hash(), max(2, self.run.quorum), expected)
             try:
                 outcome = self._average(tokens, align, deadline)
-            except (AllreduceException, TimeoutError) as e:
-                if NO_GROUP in str(e):
+            except Exception as e:  # AllreduceException, TimeoutError, or anything the averager process hit
+                if NO_GROUP not in str(e):
+                    result.error = f"all-reduce failed ({first_line(e)}); retrying with the survivors"
+                    logger.warning(result.error)
+                    self.catch_up(timeout=max(deadline - time.monotonic(), 1.0))
+                    continue
+                if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0)):
+                    result.rebased = True
+                    result.error = "missed the group; caught up, contributing at the next sync"
+                elif missed_rounds + 1 >= MAX_MISSED:
                     self._apply_alone(tokens, result)
-                    break
-                result.error = f"all-reduce failed ({e}); retrying with the survivors"
-                logger.warning(result.error)
-                self.catch_up(timeout=max(deadline - time.monotonic(), 1.0))
-                continue
+                else:
+                    result.error = f"no group formed with the {expected - 1} peer(s) holding our state; retrying next round"
+                break
             self._apply(outcome, result)
             break
         return result
 
     def _apply_alone(self, tokens: int, result: SyncResult) -> None:
-        """No group formed: with quorum 1 the peer's own delta is its outer step; otherwise wait."""
+        """No group: a quorum-1 peer's own delta is its outer step; with a larger quorum, wait."""
         if self.run.quorum > 1:
             result.error = f"no group of at least {self.run.quorum} peers formed"
             return
@@ -182,7 +216,7 @@ class Synchronizer:
         gather = dict(epoch=self.state.epoch, hash=self.state.hash(), tokens=tokens, align=align)
         control = self.averager.step(
             gather=gather, weight=float(tokens), scheduled_time=get_dht_time() + grace,
-            timeout=grace + 3 * self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False, wait=False,
+            timeout=grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False, wait=False,
         )
         try:
             return control.result(timeout=max(deadline - time.monotonic(), 0.1))
@@ -206,7 +240,7 @@ class Synchronizer:
             nesterov_step(self.state.params, self.state.momentum, self.delta, self.run.outer_lr,
                           self.run.outer_momentum)
             if outcome["aligned"]:
-                self.layout.scatter(self.moment, self.trainer.first_moments())
+                self.trainer.load_first_moments([view for _, view in self.layout.slices(self.moment)])
             self.state.merged = merge_contributors(self.state.merged, gathered, self.state.epoch)
             self.state.epoch += 1
             self.state.tokens_total += sum(int(info["tokens"]) for info in gathered.values())

@@ -1,0 +1,158 @@
+"""Real swarms for tests: ``python -m dht`` and ``python -m peer`` processes on loopback.
+
+Every process runs in its own session, so a test can SIGKILL a whole peer (main process, averager,
+DHT, p2p daemon) with one killpg, and ``Swarm.close`` reaps everything a test started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, TypeVar
+
+T = TypeVar("T")
+ROOT = Path(__file__).resolve().parents[1]
+MADDR = re.compile(r"/ip4/\S+/p2p/\S+")
+
+# small and fast: a round is ~5 steps of 4x64 tokens on the tiny model
+FAST_RUN = ("--batch-size", "4", "--seq-len", "64", "--inner-steps", "5", "--grace-seconds", "2",
+            "--eval-every", "2", "--eval-batches", "2", "--lr", "0.003", "--warmup-steps", "5")
+FAST_NODE = ("--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--quiet", "--threads", "1",
+             "--allreduce-timeout", "10", "--part-timeout", "3", "--request-timeout", "1")
+
+
+def wait_until(predicate: Callable[[], Optional[T]], timeout: float, what: str, interval: float = 0.1) -> T:
+    """Poll ``predicate`` until it returns a truthy value; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def read_metrics(path: Path) -> List[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+
+
+class Proc:
+    """A child process in its own session with stdout/stderr in files."""
+
+    def __init__(self, args: List[str], log_dir: Path, name: str):
+        self.name, self.args = name, args
+        self.stdout_path, self.stderr_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.popen = subprocess.Popen(args, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {timeout:.0f}s; stderr:\n{self.stderr[-3000:]}")
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.popen.pid, sig)
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
+
+
+def peer_command(*args: str) -> List[str]:
+    return [sys.executable, "-m", "peer", *args]
+
+
+class PeerProc(Proc):
+    def __init__(self, args: List[str], log_dir: Path, name: str):
+        self.metrics_path = log_dir / f"{name}.jsonl"
+        super().__init__(peer_command(*args, "--metrics-file", str(self.metrics_path)), log_dir, name)
+
+    @property
+    def metrics(self) -> List[dict]:
+        return read_metrics(self.metrics_path)
+
+    def wait_rounds(self, count: int, timeout: float) -> List[dict]:
+        def enough():
+            if not self.alive() and len(self.metrics) < count:
+                raise AssertionError(f"{self.name} exited early (rc={self.popen.returncode}):\n{self.stderr[-3000:]}")
+            return len(self.metrics) >= count and self.metrics
+
+        return wait_until(enough, timeout, f"{self.name} to finish {count} rounds")
+
+
+class Swarm:
+    """A bootstrap node plus the peers a test starts; ``close`` kills them all."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.procs = log_dir, []
+        self.bootstrap = self._track(Proc([sys.executable, "-m", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+                                          log_dir, "bootstrap"))
+        self.maddr = wait_until(lambda: (MADDR.findall(self.bootstrap.stdout) or [None])[0], 60,
+                                "the bootstrap node's multiaddr")
+
+    def _track(self, proc: Proc) -> Proc:
+        self.procs.append(proc)
+        return proc
+
+    def peer(self, name: str, *args: str, join: bool = True) -> PeerProc:
+        extra = ["--initial-peers", self.maddr] if join else []
+        return self._track(PeerProc([*FAST_RUN, *FAST_NODE, *extra, *args], self.log_dir, name))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill_group()
+
+
+def by_epoch(peers: List[PeerProc]) -> Dict[int, Dict[str, dict]]:
+    """{epoch: {peer name: its metrics record}} over every applied round."""
+    table: Dict[int, Dict[str, dict]] = {}
+    for peer in peers:
+        for record in peer.metrics:
+            if record["applied"]:
+                table.setdefault(record["epoch"], {})[peer.name] = record
+    return table
+
+
+def assert_groups_agree(peers: List[PeerProc]) -> int:
+    """In every epoch, all members of a group report the same state hash; returns rounds checked."""
+    checked = 0
+    ids = {}
+    for epoch, records in by_epoch(peers).items():
+        for name, record in records.items():
+            ids[record["peer_id"]] = name
+            for member in record["group"]:
+                other = next((r for r in records.values() if r["peer_id"] == member), None)
+                if other is not None:
+                    assert other["state_hash"] == record["state_hash"], (
+                        f"epoch {epoch}: {name} and {ids.get(member, member)} were in one group but hold "
+                        f"{record['state_hash']} and {other['state_hash']}"
+                    )
+                    checked += 1
+    return checked

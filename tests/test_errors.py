@@ -1,0 +1,61 @@
+"""A user's mistake ends in one line that says what is wrong and what to do, and a non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.swarm import ROOT, Swarm, peer_command
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1, f"expected one error line, got:\n{result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize("command", ["peer", "dht"])
+def test_malformed_multiaddr(command):
+    result = run_cli(sys.executable, "-m", command, "--initial-peers", "/ip4/10.0.0/tcp/31337")
+    assert_one_line_error(result, "malformed multiaddr '/ip4/10.0.0/tcp/31337'", "expected something like")
+
+
+def test_multiaddr_without_peer_id():
+    result = run_cli(*peer_command("--initial-peers", "/ip4/127.0.0.1/tcp/31337"))
+    assert_one_line_error(result, "lacks the /p2p/<peer id> part")
+
+
+def test_bad_flag_value_names_the_field():
+    result = run_cli(*peer_command("--outer-momentum", "1.5"))
+    assert_one_line_error(result, "outer_momentum", "1.5")
+
+
+@pytest.mark.slow
+def test_unreachable_initial_peers():
+    dead = "/ip4/127.0.0.1/tcp/9/p2p/QmavmNZtc76v2j5NMfWuotX5jhWW9xa8EA4DDvtNdEEPwU"
+    result = run_cli(*peer_command("--initial-peers", dead, "--host-maddrs", "/ip4/127.0.0.1/tcp/0"))
+    assert_one_line_error(result, "could not reach any initial peer", dead)
+
+
+@pytest.mark.slow
+def test_conflicting_model_is_refused(tmp_path):
+    swarm = Swarm(tmp_path)
+    try:
+        creator = swarm.peer("creator")
+        creator.wait_rounds(1, timeout=180)
+        result = run_cli(*peer_command("--initial-peers", swarm.maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                                       "--model", "small"))
+        assert_one_line_error(result, "--model small conflicts with run 'diloco'", "model=tiny", "drop the flag")
+    finally:
+        swarm.close()

@@ -1,0 +1,104 @@
+"""End to end: real ``python -m dht`` and ``python -m peer`` processes on loopback, the tiny model."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.swarm import Swarm, assert_groups_agree, by_epoch, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    swarm = Swarm(tmp_path)
+    yield swarm
+    swarm.close()
+
+
+def test_three_peers_agree_learn_and_admit_a_joiner(swarm):
+    peers = [swarm.peer(f"p{i}") for i in range(3)]
+    peers[0].wait_rounds(3, timeout=180)
+    joiner = swarm.peer("joiner")
+    wait_until(lambda: sum(r["applied"] for r in joiner.metrics) >= 3, 240, "the joiner to apply 3 outer steps")
+    for peer in peers + [joiner]:
+        peer.signal(signal.SIGTERM)
+    for peer in peers + [joiner]:
+        assert peer.wait(60) == 0, peer.stderr[-3000:]
+
+    assert assert_groups_agree(peers + [joiner]) >= 5 * 3
+    table = by_epoch(peers)
+    full_rounds = [epoch for epoch, records in table.items()
+                   if len(records) == 3 and len({r["state_hash"] for r in records.values()}) == 1]
+    assert len(full_rounds) >= 5, f"fewer than 5 rounds in which all 3 peers agreed: {sorted(full_rounds)}"
+    for peer in peers:
+        losses = [r["loss"] for r in peer.metrics]
+        assert losses[-1] < losses[0] - 0.5, f"{peer.name}: loss did not fall: {losses}"
+
+    # the joiner downloaded the swarm's state, so its first outer step lands on the swarm's next hash,
+    # in a group with the others; and it is in the swarm's groups from then on
+    joined = [r for r in joiner.metrics if r["applied"]]
+    assert joined, joiner.stderr[-3000:]
+    first = joined[0]
+    assert {r["state_hash"] for r in table[first["epoch"]].values()} == {first["state_hash"]}
+    later = [epoch for epoch in table if first["epoch"] <= epoch <= joined[-1]["epoch"]]
+    assert len(later) >= 3
+    for epoch in later:
+        for other in table[epoch].values():
+            assert first["peer_id"] in other["group"], f"joiner missing from a group at epoch {epoch}"
+
+
+def test_peer_killed_during_allreduce(swarm):
+    survivors = [swarm.peer(f"p{i}", "--max-rounds", "7") for i in range(2)]
+    victim = swarm.peer("victim", "--fault-plan", "kill@allreduce:2")
+    wait_until(lambda: victim.popen.poll() is not None, 240, "the fault plan to kill the victim")
+    assert victim.popen.returncode == -signal.SIGKILL
+    for peer in survivors:
+        peer.wait_rounds(7, timeout=240)
+        assert peer.wait(30) == 0
+
+    table = by_epoch(survivors)
+    late = [epoch for epoch in table if epoch > 2]
+    assert len(late) >= 4
+    for epoch in late:
+        records = table[epoch]
+        assert len(records) == 2 and len({r["state_hash"] for r in records.values()}) == 1, (
+            f"survivors disagree at epoch {epoch}: { {n: r['state_hash'] for n, r in records.items()} }"
+        )
+    # nobody stalls past the deadline: one attempt's all-reduce timeout plus the grace window and slack
+    deadline = 10 + 2 + 5
+    for peer in survivors:
+        for record in peer.metrics:
+            assert record["sync_seconds"] < deadline, f"{peer.name} stalled {record['sync_seconds']:.1f}s"
+    lost = [r for peer in survivors for r in peer.metrics if r["attempts"] > 1]
+    assert lost, "no survivor noticed the lost member (the kill did not land mid all-reduce)"
+
+
+def test_lone_peer_learns_and_resumes_from_checkpoint(swarm, tmp_path):
+    checkpoint = str(tmp_path / "ckpt")
+    first = swarm.peer("lone", "--max-rounds", "6", "--checkpoint-dir", checkpoint, join=False)
+    assert first.wait(180) == 0, first.stderr[-2000:]
+    rounds = first.metrics
+    assert [r["epoch"] for r in rounds] == [1, 2, 3, 4, 5, 6]
+    assert all(r["group_size"] == 1 for r in rounds)
+    assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.5
+    assert rounds[-1]["eval_loss"] < 3.6
+
+    resumed = swarm.peer("resumed", "--max-rounds", "8", "--checkpoint-dir", checkpoint, join=False)
+    assert resumed.wait(180) == 0, resumed.stderr[-2000:]
+    after = resumed.metrics
+    assert after[0]["epoch"] == 7 and after[0]["peer_id"] == rounds[0]["peer_id"]
+    assert after[0]["loss"] < rounds[-1]["loss"] + 0.15, "the resumed peer lost its progress"
+    assert after[0]["tokens_total"] == rounds[-1]["tokens_total"] + after[0]["tokens"]
+
+
+def test_sigterm_checkpoints_and_exits_zero(swarm, tmp_path):
+    checkpoint = tmp_path / "ckpt"
+    peer = swarm.peer("lone", "--checkpoint-dir", str(checkpoint), join=False)
+    peer.wait_rounds(2, timeout=180)
+    peer.signal(signal.SIGTERM)
+    assert peer.wait(30) == 0, peer.stderr[-2000:]
+    assert (checkpoint / "state.pt").exists()
+    assert "leaving after the current step" in peer.stderr
