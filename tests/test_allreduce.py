@@ -1,0 +1,96 @@
+"""The exact all-reduce on real hivemind averagers (one process each) over loopback."""
+
+import os
+import signal
+
+import pytest
+import torch
+from hivemind.utils import get_dht_time
+
+from compression import get_codec
+from dht.node import DHTConfig, LOOPBACK, start_dht
+from peer.allreduce import GroupLostMember
+from peer.averager import SwarmAverager
+
+pytestmark = pytest.mark.slow
+SIZE = 200_003
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    first = start_dht(DHTConfig(host_maddrs=(LOOPBACK,)))
+    peers = tuple(str(m) for m in first.get_visible_maddrs())
+    nodes = [first] + [start_dht(DHTConfig(host_maddrs=(LOOPBACK,), initial_peers=peers)) for _ in range(2)]
+    yield nodes
+    for node in nodes:
+        node.shutdown()
+
+
+def kill_own_process(phase, epoch):
+    if phase == "allreduce":
+        os.kill(os.getpid(), signal.SIGKILL)  # the averager process dies while sending its first part
+
+
+def make_averagers(dhts, prefix, codec, hooks=(None, None, None)):
+    averagers = []
+    for dht, hook in zip(dhts, hooks):
+        averager = SwarmAverager(
+            torch.zeros(SIZE), None, dht, prefix=prefix, codec=get_codec(codec),
+            state_provider=lambda: ({}, []), quorum=1, grace_seconds=2.0, request_timeout=1.0,
+            allreduce_timeout=10.0, part_timeout=3.0, client_mode=False, fault_hook=hook, part_size_bytes=2**16,
+        )
+        averager.run_in_background(await_ready=True)
+        averagers.append(averager)
+    return averagers
+
+
+def run_round(averagers, values, weights):
+    controls = []
+    for averager, value, weight in zip(averagers, values, weights):
+        with averager.get_tensors() as (delta,):
+            delta.copy_(value)
+        averager.prepare_round(0, "cafe", min_group=len(averagers), expected_group=len(averagers))
+    for averager, weight in zip(averagers, weights):
+        controls.append(averager.step(
+            gather=dict(epoch=0, hash="cafe", tokens=weight, align=False), weight=float(weight),
+            scheduled_time=get_dht_time() + 2.0, timeout=6.0, allow_retries=False, wait=False,
+        ))
+    return controls
+
+
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+def test_members_end_bit_identical_with_the_weighted_mean(dhts, codec):
+    averagers = make_averagers(dhts, f"exact_{codec}", codec)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        values = [torch.randn(SIZE, generator=generator) for _ in averagers]
+        weights = [100, 300, 600]
+        outcomes = [control.result(timeout=60) for control in run_round(averagers, values, weights)]
+        results = []
+        for averager in averagers:
+            with averager.get_tensors() as (delta,):
+                results.append(delta.clone())
+        assert all(torch.equal(results[0], other) for other in results[1:]), "members differ"
+        expected = sum(w * v for w, v in zip(weights, values)) / sum(weights)
+        tolerance = {"none": 1e-6, "fp16": 2e-3}[codec]
+        torch.testing.assert_close(results[0], expected, rtol=0, atol=tolerance)
+        for outcome in outcomes:
+            assert len(outcome["gathered"]) == 3
+            assert outcome["bytes_sent"] > 0 and outcome["bytes_received"] > 0
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+def test_a_member_killed_mid_allreduce_fails_the_round_for_everyone(dhts):
+    averagers = make_averagers(dhts, "lost_member", "fp16", hooks=(None, None, kill_own_process))
+    try:
+        values = [torch.full((SIZE,), float(i)) for i in range(3)]
+        controls = run_round(averagers, values, [1, 1, 1])
+        for control in controls[:2]:
+            # hivemind's own runner returns success here with a partly averaged tensor (measured)
+            with pytest.raises(GroupLostMember):
+                control.result(timeout=30)
+    finally:
+        for averager in averagers[:2]:
+            averager.shutdown()

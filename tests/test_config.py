@@ -1,0 +1,72 @@
+"""Configs validate themselves and the CLI is derived from them."""
+
+import argparse
+
+import pytest
+
+from dht.cli import add_arguments, explicit_values, from_args
+from dht.manifest import RunManifest
+from dht.node import DHTConfig
+from peer.__main__ import parse_args
+from peer.config import NodeConfig, RunConfig, SyncConfig
+
+
+def test_required_flags_exist_with_help():
+    parser = argparse.ArgumentParser()
+    for cls in (RunConfig, NodeConfig, DHTConfig, SyncConfig):
+        add_arguments(parser, cls)
+    text = parser.format_help()
+    for flag in ("--initial-peers", "--run-id", "--model", "--dataset", "--inner-steps", "--round-seconds",
+                 "--max-rounds", "--batch-size", "--lr", "--outer-lr", "--outer-momentum", "--compression",
+                 "--checkpoint-dir", "--metrics-file", "--host-maddrs", "--device", "--seed"):
+        assert flag in text
+    assert "outer Nesterov learning rate (DiLoCo: 0.7) (default: 0.7)" in " ".join(text.split())
+
+
+def test_only_explicit_flags_are_reported():
+    run_flags, node, sync, net = parse_args(["--model", "small", "--outer-lr", "0.5", "--max-rounds", "3",
+                                             "--initial-peers", "/ip4/1.2.3.4/tcp/5/p2p/" + "Qm" + "a" * 44])
+    assert run_flags == {"model": "small", "outer_lr": 0.5}
+    assert node.max_rounds == 3 and sync == SyncConfig()
+    assert net.initial_peers == ("/ip4/1.2.3.4/tcp/5/p2p/Qm" + "a" * 44,)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("outer_momentum", 1.0, "outer_momentum must be in [0, 1), got 1.0"),
+    ("inner_steps", 0, "inner_steps must be positive, got 0"),
+    ("lr", 2.0, "lr must be in (0, 1), got 2.0"),
+    ("grace_seconds", -1.0, "grace_seconds must be >= 0, got -1.0"),
+])
+def test_bad_values_name_the_field_and_value(field, value, message):
+    with pytest.raises(ValueError) as error:
+        RunConfig(**{field: value})
+    assert str(error.value) == message
+
+
+def test_resolved_fills_preset_defaults_and_keeps_explicit_ones():
+    resolved = RunConfig(model="tiny", lr=0.002).resolved()
+    assert resolved.lr == 0.002 and resolved.tokenizer == "bytes" and resolved.inner_steps == 50
+    assert RunConfig(model="150m").resolved().tokenizer == "gpt2"
+
+
+def test_manifest_hash_is_stable_and_covers_every_setting():
+    settings = RunConfig().to_settings()
+    assert RunManifest("r", settings).hash == RunManifest("r", dict(settings)).hash
+    assert RunManifest("r", settings).hash != RunManifest("r", RunConfig(seed=1).to_settings()).hash
+    assert RunManifest("r", settings).hash != RunManifest("other", settings).hash
+    assert RunConfig.from_settings(settings) == RunConfig().resolved()
+    with pytest.raises(ValueError, match="does not know"):
+        RunConfig.from_settings(dict(settings, warp_drive=True))
+
+
+def test_node_config_checks_the_run_id():
+    with pytest.raises(ValueError, match="run_id"):
+        NodeConfig(run_id="a.b")
+
+
+def test_from_args_builds_dht_config():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, DHTConfig)
+    config = from_args(DHTConfig, parser.parse_args(["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--client-mode"]))
+    assert config.host_maddrs == ("/ip4/127.0.0.1/tcp/0",) and config.client_mode
+    assert explicit_values(parser.parse_args([]), DHTConfig) == {}

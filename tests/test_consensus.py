@@ -1,0 +1,41 @@
+"""Fork choice, expected groups and round targets over peer records; no DHT."""
+
+from dht.records import PeerRecord
+from peer.consensus import choose_state, peers_with_state, round_target
+
+
+def record(peer, epoch, state_hash, tokens, manifest="m", status="training", next_sync_at=None):
+    return PeerRecord(peer_id=peer, epoch=epoch, state_hash=state_hash, tokens_total=tokens, manifest_hash=manifest,
+                      status=status, next_sync_at=next_sync_at)
+
+
+def test_most_tokens_win():
+    mine = record("me", 5, "aa", 100)
+    assert choose_state([record("x", 5, "bb", 200)], mine).state_hash == "bb"
+    assert choose_state([record("x", 4, "bb", 50)], mine) is None
+
+
+def test_ties_go_to_the_lowest_hash_for_everyone():
+    a, b = record("a", 5, "0f", 100), record("b", 5, "f0", 100)
+    assert choose_state([b], a) is None
+    assert choose_state([a], b).state_hash == "0f"
+
+
+def test_other_runs_and_departed_peers_are_ignored():
+    mine = record("me", 1, "aa", 10)
+    others = [record("x", 9, "bb", 999, manifest="other"), record("y", 9, "cc", 999, status="left")]
+    assert choose_state(others, mine) is None
+
+
+def test_peers_with_state_are_those_at_our_exact_state():
+    mine = record("me", 3, "aa", 10)
+    others = [record("a", 3, "aa", 10), record("b", 3, "ab", 10), record("c", 2, "aa", 5), record("me", 3, "aa", 10)]
+    assert [r.peer_id for r in peers_with_state(others, mine)] == ["a"]
+
+
+def test_round_target_is_the_median_of_future_plans():
+    mine = record("me", 3, "aa", 10)
+    others = [record(p, 3, "aa", 10, next_sync_at=t) for p, t in (("a", 110.0), ("b", 120.0), ("c", 90.0))]
+    assert round_target(others, mine, own_plan=130.0, now=100.0) == 120.0  # c's plan is already past
+    assert round_target(others, mine, own_plan=None, now=100.0) == 115.0
+    assert round_target([], mine, own_plan=None, now=100.0) is None
