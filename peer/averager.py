@@ -87,7 +87,7 @@ class SwarmAverager(DecentralizedAverager):
             reducer_timeout=2 * part_timeout,
             part_size_bytes=part_size_bytes,
             client_mode=client_mode,
-            declare_state_period=10.0,
+            declare_state_period=300.0,  # hivemind's donor registry; we pick donors from peer records
             shutdown_timeout=5.0,
         )
 
@@ -133,7 +133,8 @@ class SwarmAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> Dict[str, Any]:
         """Run the exact all-reduce in a formed group; returns gathered metadata and byte counts."""
         bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
-        gathered = {peer.to_base58(): self.serializer.loads(data) for peer, data in zip(group_info.peer_ids, user_bytes)}
+        gathered = {peer.to_base58(): self.serializer.loads(data)
+                    for peer, data in zip(group_info.peer_ids, user_bytes)}
         modes = tuple(map(AveragingMode, mode_ids))
         align = {bool(info.get("align")) for info in gathered.values()}
         if len(align) != 1:

@@ -36,9 +36,10 @@ from peer.inner import InnerTrainer
 from peer.model import build_model, count_parameters
 from peer.outer import GlobalState
 from peer.report import Reporter
-from peer.sync import SyncResult, Synchronizer
+from peer.sync import Synchronizer, SyncResult
 
 logger = logging.getLogger(__name__)
+RECORD_TTL = 60.0  # seconds a peer record lives without a refresh (at least)
 
 
 class Peer:
@@ -53,7 +54,7 @@ class Peer:
         self.last_loss: Optional[float] = None
         self.last_round_seconds: Optional[float] = None
         self.step_seconds: Optional[float] = None
-        self.manifest_published_at = 0.0
+        self.manifest_published_at = self.last_published = 0.0
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -192,6 +193,7 @@ class Peer:
             def on_step(step: int, loss: float, lr: float) -> None:
                 elapsed = time.monotonic() - round_start
                 self.reporter.step(step, loss, step * run.batch_size * run.seq_len / max(elapsed, 1e-9))
+                self._heartbeat()
                 if self.fault_plan and step == max(1, steps // 2):
                     self.fault_plan.fire("inner", epoch_at_start)
 
@@ -264,15 +266,28 @@ class Peer:
         )
 
     # ------------------------------------------------------------------ publish, checkpoint, close
+    def _record_ttl(self) -> float:
+        """How long our record outlives its last refresh: long enough to span one inner step and a whole
+        sync, short enough that a dead peer's record soon stops making others wait for it."""
+        step = self.step_seconds or 0.0
+        return max(RECORD_TTL, 4 * step, self.run.grace_seconds + self.sync_config.allreduce_timeout + 10)
+
     def _publish(self, status: str = "training", next_sync_at: Optional[float] = None) -> None:
-        ttl = max(30.0, 3 * (self.last_round_seconds or 0.0))
+        self.last_published = time.monotonic()
         self.synchronizer.announce(
-            ttl, status=status, loss=self.last_loss, next_sync_at=next_sync_at, round_seconds=self.last_round_seconds,
+            self._record_ttl(), status=status, loss=self.last_loss, next_sync_at=next_sync_at,
+            round_seconds=self.last_round_seconds,
             tokens_per_second=self.run.batch_size * self.run.seq_len / self.step_seconds if self.step_seconds else 0.0,
         )
         if time.monotonic() - self.manifest_published_at > MANIFEST_TTL / 4:
             publish_manifest(self.dht, self.manifest)
             self.manifest_published_at = time.monotonic()
+
+    def _heartbeat(self) -> None:
+        """Refresh our record during long inner phases, so it never expires while we are alive."""
+        if time.monotonic() - self.last_published > self._record_ttl() / 3:
+            self.synchronizer.announce(self._record_ttl(), **self.synchronizer.fields())
+            self.last_published = time.monotonic()
 
     def _checkpoint(self) -> None:
         if not self.node.checkpoint_dir:

@@ -19,19 +19,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
-from hivemind.averaging.partition import AllreduceException
 from hivemind.utils import get_dht_time
 
 from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
-from peer.consensus import choose_state, peers_with_state, round_target
+from peer.consensus import choose_state, peers_with_state
 from peer.flat import FlatLayout
 from peer.inner import InnerTrainer
 from peer.outer import GlobalState, merge_contributors, nesterov_step, state_hash
@@ -91,9 +90,12 @@ class Synchronizer:
         self.announced = dict(fields, ttl=ttl)
         self._republish()
 
+    def fields(self) -> dict:
+        """The fields last announced (without the ttl)."""
+        return {k: v for k, v in self.announced.items() if k != "ttl"}
+
     def _republish(self) -> None:
-        fields = dict(self.announced)
-        self.publisher.publish(self.my_record(**{k: v for k, v in fields.items() if k != "ttl"}), fields["ttl"])
+        self.publisher.publish(self.my_record(**self.fields()), self.announced["ttl"])
 
     # ---- catch-up ----
     def catch_up(self, timeout: float) -> bool:
@@ -185,7 +187,7 @@ class Synchronizer:
                 elif missed_rounds + 1 >= MAX_MISSED:
                     self._apply_alone(tokens, result)
                 else:
-                    result.error = f"no group formed with the {expected - 1} peer(s) holding our state; retrying next round"
+                    result.error = f"no group formed with the {expected - 1} peer(s) at our state; retrying next round"
                 break
             self._apply(outcome, result)
             break

@@ -8,7 +8,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from compression import get_codec
-from dht.node import DHTConfig, LOOPBACK, start_dht
+from dht.node import LOOPBACK, DHTConfig, start_dht
 from peer.allreduce import GroupLostMember
 from peer.averager import SwarmAverager
 

@@ -1,6 +1,7 @@
 """Configs validate themselves and the CLI is derived from them."""
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -70,3 +71,12 @@ def test_from_args_builds_dht_config():
     config = from_args(DHTConfig, parser.parse_args(["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--client-mode"]))
     assert config.host_maddrs == ("/ip4/127.0.0.1/tcp/0",) and config.client_mode
     assert explicit_values(parser.parse_args([]), DHTConfig) == {}
+
+
+def test_readme_documents_every_flag():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for cls in (RunConfig, NodeConfig, DHTConfig, SyncConfig):
+        for field in dataclasses.fields(cls):
+            assert f"`--{field.name.replace('_', '-')}`" in readme, f"README lacks --{field.name}"

@@ -6,7 +6,7 @@ import pytest
 
 from dht.errors import UserError
 from dht.manifest import RunManifest, fetch_manifest, join_or_create, manifest_key, publish_manifest
-from dht.node import DHTConfig, LOOPBACK, start_dht
+from dht.node import LOOPBACK, DHTConfig, start_dht
 from dht.records import PeerRecord, RecordPublisher, fetch_records
 
 
