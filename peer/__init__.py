@@ -10,6 +10,7 @@
 - ``outer.py``      GlobalState, its hash, the FMA-free Nesterov outer step
 - ``consensus.py``  fork choice, expected group, the swarm's schedule (pure functions over records)
 - ``sync.py``       one round's sync: catch up, average, apply
+- ``schedule.py``   when a round ends: the group's agreed length, or the swarm's published plans
 - ``averager.py``   hivemind DecentralizedAverager subclass: round keys, exact all-reduce, state download
 - ``allreduce.py``  the exact butterfly all-reduce (bit-identical results or a clean failure)
 - ``checkpoint.py`` atomic checkpoints

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, List, Optional, Sequence
+from typing import Callable, Iterable, Iterator, List, Sequence
 
 import torch
 
@@ -51,14 +51,12 @@ class InnerTrainer:
             return self.model(input_ids=batch, labels=batch).loss
 
     def train(self, batches: Iterator[torch.Tensor], max_steps: int, global_step: int,
-              deadline: Optional[float] = None, should_stop: Callable[[], bool] = lambda: False,
+              should_stop: Callable[[int], bool] = lambda steps: False,
               on_step: Callable[[int, float, float], None] = lambda step, loss, lr: None) -> InnerStats:
-        """Up to ``max_steps`` AdamW steps, stopping early at ``deadline`` (monotonic) or on request."""
+        """Up to ``max_steps`` AdamW steps; ``should_stop(steps done)`` ends the round early."""
         self.model.train()
         stats, losses, start = InnerStats(), [], time.monotonic()
-        while stats.steps < max_steps and not should_stop():
-            if deadline is not None and stats.steps > 0 and time.monotonic() >= deadline:
-                break
+        while stats.steps < max_steps and not should_stop(stats.steps):
             lr = self.lr_at(global_step + stats.steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr

@@ -19,7 +19,6 @@ import time
 from typing import Any, Dict, Optional
 
 import torch
-from hivemind.utils import get_dht_time
 
 from compression import get_codec
 from dht.errors import UserError
@@ -28,7 +27,6 @@ from dht.node import DHTConfig, start_dht, visible_maddrs
 from peer.averager import SwarmAverager
 from peer.checkpoint import load_checkpoint, save_checkpoint
 from peer.config import NodeConfig, RunConfig, SyncConfig
-from peer.consensus import peers_with_state, round_target
 from peer.data import load_corpus, load_tokenizer
 from peer.faults import FaultPlan
 from peer.flat import FlatLayout
@@ -36,6 +34,7 @@ from peer.inner import InnerTrainer
 from peer.model import build_model, count_parameters
 from peer.outer import GlobalState
 from peer.report import Reporter
+from peer.schedule import RoundClock
 from peer.sync import Synchronizer, SyncResult
 
 logger = logging.getLogger(__name__)
@@ -49,11 +48,10 @@ class Peer:
         self.fault_plan = FaultPlan.parse(node.fault_plan)
         self.stop_requested = threading.Event()
         self.lock = threading.Lock()  # guards the global state against a concurrent download by a peer
-        self.dht = self.averager = self.synchronizer = None
+        self.dht = self.averager = self.synchronizer = self.clock = None
         self.rounds = self.pending_tokens = self.pending_rounds = 0
         self.last_loss: Optional[float] = None
         self.last_round_seconds: Optional[float] = None
-        self.step_seconds: Optional[float] = None
         self.manifest_published_at = self.last_published = 0.0
 
     # ------------------------------------------------------------------ build
@@ -106,6 +104,7 @@ class Peer:
             sync=self.sync_config, delta=self.delta, moment=self.moment, lock=self.lock,
             client_mode=net.client_mode,
         )
+        self.clock = RoundClock(run, self.synchronizer, lambda next_sync_at: self._publish(next_sync_at=next_sync_at))
         if self.synchronizer.catch_up(timeout=60.0):
             self.reporter.info(f"downloaded the swarm's state: epoch {self.state.epoch}, hash {self.state.hash()}")
         self._publish()
@@ -182,37 +181,37 @@ class Peer:
 
     # ------------------------------------------------------------------ run
     def run_rounds(self) -> int:
-        max_rounds, run = self.node.max_rounds, self.run
+        max_rounds, run, clock = self.node.max_rounds, self.run, self.clock
         batches = iter(lambda: self.stream.next_batch(run.batch_size), None)
         while not self.stop_requested.is_set() and not (max_rounds and self.rounds >= max_rounds):
             round_start = time.monotonic()
-            steps, deadline, rebased = self._plan_round()
+            steps = clock.begin()
             epoch_at_start = self.state.epoch
             self.reporter.start_round(self.state.epoch, steps if steps < 10**9 else 0)
 
             def on_step(step: int, loss: float, lr: float) -> None:
                 elapsed = time.monotonic() - round_start
                 self.reporter.step(step, loss, step * run.batch_size * run.seq_len / max(elapsed, 1e-9))
+                clock.watch()
                 self._heartbeat()
-                if self.fault_plan and step == max(1, steps // 2):
+                if self.fault_plan and step == max(1, min(steps, run.inner_steps) // 2):
                     self.fault_plan.fire("inner", epoch_at_start)
 
-            stats = self.trainer.train(batches, steps, self._global_step(), deadline,
-                                       self.stop_requested.is_set, on_step)
+            def should_stop(steps_done: int) -> bool:
+                return self.stop_requested.is_set() or clock.over(steps_done)
+
+            stats = self.trainer.train(batches, steps, self._global_step(), should_stop, on_step)
             self.reporter.end_round()
-            if stats.steps == 0 or self.stop_requested.is_set():
-                self.pending_tokens += stats.tokens
-                break
             self.pending_tokens += stats.tokens
+            if stats.steps == 0 or self.stop_requested.is_set():
+                break
             self.pending_rounds += 1
-            # an EMA weighted by the round's share of H: one short round must not skew the schedule
-            seconds, weight = stats.compute_seconds / stats.steps, 0.5 * min(1.0, stats.steps / run.inner_steps)
-            self.step_seconds = seconds if self.step_seconds is None else \
-                (1 - weight) * self.step_seconds + weight * seconds
 
             sync_start = time.monotonic()
             budget = self.sync_config.round_budget(run.grace_seconds)
-            result = self.synchronizer.sync(self.pending_tokens, budget, missed_rounds=self.pending_rounds - 1)
+            result = self.synchronizer.sync(self.pending_tokens, budget, missed_rounds=self.pending_rounds - 1,
+                                            step_seconds=clock.step_seconds or stats.compute_seconds / stats.steps)
+            clock.finish(stats.steps, stats.compute_seconds, result.next_round_seconds)
             sync_seconds = time.monotonic() - sync_start
             stale = self.pending_rounds - 1
             if result.applied:
@@ -223,33 +222,10 @@ class Peer:
             eval_loss = None
             if result.applied and self.state.epoch % run.eval_every == 0:
                 eval_loss = self.trainer.evaluate(self.eval_batches)
-            result.rebased = result.rebased or rebased
+            result.rebased = result.rebased or clock.rebased
             self.reporter.round(self._metrics(stats, result, sync_seconds, stale, eval_loss))
             self._checkpoint()
         return 0
-
-    def _plan_round(self):
-        """(max steps, deadline, rebased) for the next inner phase.
-
-        A peer that is behind catches up first. Then the round ends at the target that all peers holding
-        this state agree on (consensus.round_target): about H steps (or --round-seconds) of the median
-        peer; a faster peer may do up to 2H steps meanwhile, a slower one fewer."""
-        run = self.run
-        rebased = self.synchronizer.catch_up(timeout=60.0)
-        now = get_dht_time()
-        if run.round_seconds:
-            own_plan = now + run.round_seconds
-        else:
-            own_plan = now + self.step_seconds * run.inner_steps if self.step_seconds else None
-        records, mine = self.synchronizer.records.values(), self.synchronizer.my_record()
-        target = round_target(records, mine, own_plan, now) if peers_with_state(records, mine) else None
-        self._publish(next_sync_at=target if target is not None else own_plan)
-        if target is None and run.round_seconds:  # nobody to line up with: our own budget
-            return 10**9, time.monotonic() + run.round_seconds, rebased
-        if target is None:
-            return run.inner_steps, None, rebased
-        steps = 10**9 if run.round_seconds else 2 * run.inner_steps
-        return steps, time.monotonic() + (target - now), rebased
 
     def _global_step(self) -> int:
         return self.state.epoch * self.run.inner_steps
@@ -266,10 +242,13 @@ class Peer:
         )
 
     # ------------------------------------------------------------------ publish, checkpoint, close
+    def _pace(self) -> Optional[float]:
+        return self.clock.step_seconds if self.clock is not None else None
+
     def _record_ttl(self) -> float:
         """How long our record outlives its last refresh: long enough to span one inner step and a whole
         sync, short enough that a dead peer's record soon stops making others wait for it."""
-        step = self.step_seconds or 0.0
+        step = self._pace() or 0.0
         return max(RECORD_TTL, 4 * step, self.run.grace_seconds + self.sync_config.allreduce_timeout + 10)
 
     def _publish(self, status: str = "training", next_sync_at: Optional[float] = None) -> None:
@@ -277,7 +256,7 @@ class Peer:
         self.synchronizer.announce(
             self._record_ttl(), status=status, loss=self.last_loss, next_sync_at=next_sync_at,
             round_seconds=self.last_round_seconds,
-            tokens_per_second=self.run.batch_size * self.run.seq_len / self.step_seconds if self.step_seconds else 0.0,
+            tokens_per_second=self.run.batch_size * self.run.seq_len / self._pace() if self._pace() else 0.0,
         )
         if time.monotonic() - self.manifest_published_at > MANIFEST_TTL / 4:
             publish_manifest(self.dht, self.manifest)

@@ -18,6 +18,7 @@ them (it lost a fork), it carries them into its next contribution, so its work i
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from collections import deque
@@ -59,6 +60,7 @@ class SyncResult:
     aligned: bool = False
     rebased: bool = False
     error: Optional[str] = None
+    next_round_seconds: Optional[float] = None  # the group's agreed length of the next inner phase
 
 
 class Synchronizer:
@@ -73,6 +75,7 @@ class Synchronizer:
         self.records: Dict[str, PeerRecord] = {}
         self.publisher = RecordPublisher(dht, run_id)
         self.announced: dict = dict(ttl=60.0)
+        self.step_seconds: Optional[float] = None
         self.contributions: Deque[Tuple[int, torch.Tensor]] = deque(maxlen=KEEP_CONTRIBUTIONS)
 
     # ---- the swarm's view ----
@@ -145,13 +148,17 @@ class Synchronizer:
         return True
 
     # ---- one round ----
-    def sync(self, tokens: int, budget: float, missed_rounds: int = 0) -> SyncResult:
+    def sync(self, tokens: int, budget: float, missed_rounds: int = 0,
+             step_seconds: Optional[float] = None) -> SyncResult:
         """Average this round's work with the peers that hold our state; see the module docstring.
 
         ``missed_rounds``: rounds in a row this peer's work went unmerged. A peer that misses a group
         while others hold its state does not step alone (that would fork the run); it catches up and
         contributes later. Only after MAX_MISSED such rounds does a quorum-1 peer go on alone.
+        ``step_seconds``: this peer's recent seconds per inner step, shared with the group so that every
+        member computes the same length for the next round (H steps of the median member).
         """
+        self.step_seconds = step_seconds
         result, deadline = SyncResult(), time.monotonic() + budget
         result.rebased = self.catch_up(timeout=max(budget / 3, 5.0))
         if result.rebased:
@@ -193,12 +200,22 @@ class Synchronizer:
             break
         return result
 
+    def _next_round_seconds(self, gathered: dict) -> Optional[float]:
+        """Every member computes this from the same gathered data, so the group starts its next round
+        with one shared length: --round-seconds, or H steps at the median member's pace."""
+        if self.run.round_seconds:
+            return self.run.round_seconds
+        paces = [float(info["step_seconds"]) for info in gathered.values()
+                 if isinstance(info.get("step_seconds"), (int, float)) and info["step_seconds"] > 0]
+        return self.run.inner_steps * statistics.median(paces) if paces else None
+
     def _apply_alone(self, tokens: int, result: SyncResult) -> None:
         """No group: a quorum-1 peer's own delta is its outer step; with a larger quorum, wait."""
         if self.run.quorum > 1:
             result.error = f"no group of at least {self.run.quorum} peers formed"
             return
-        outcome = dict(gathered={self.peer_id: dict(tokens=tokens)}, aligned=False, bytes_sent=0, bytes_received=0)
+        outcome = dict(gathered={self.peer_id: dict(tokens=tokens, step_seconds=self.step_seconds)}, aligned=False,
+                       bytes_sent=0, bytes_received=0)
         self._apply(outcome, result)
 
     def _fill_buffers(self, align: bool) -> bool:
@@ -215,7 +232,8 @@ class Synchronizer:
 
     def _average(self, tokens: int, align: bool, deadline: float) -> dict:
         grace = self.run.grace_seconds
-        gather = dict(epoch=self.state.epoch, hash=self.state.hash(), tokens=tokens, align=align)
+        gather = dict(epoch=self.state.epoch, hash=self.state.hash(), tokens=tokens, align=align,
+                      step_seconds=self.step_seconds)
         control = self.averager.step(
             gather=gather, weight=float(tokens), scheduled_time=get_dht_time() + grace,
             timeout=grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False, wait=False,
@@ -250,5 +268,6 @@ class Synchronizer:
         result.applied, result.aligned = True, outcome["aligned"]
         result.group = tuple(sorted(gathered))
         result.group_tokens = sum(int(info["tokens"]) for info in gathered.values())
+        result.next_round_seconds = self._next_round_seconds(gathered)
         result.bytes_sent += outcome["bytes_sent"]
         result.bytes_received += outcome["bytes_received"]

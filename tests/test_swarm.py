@@ -84,7 +84,6 @@ def test_lone_peer_learns_and_resumes_from_checkpoint(swarm, tmp_path):
     assert [r["epoch"] for r in rounds] == [1, 2, 3, 4, 5, 6]
     assert all(r["group_size"] == 1 for r in rounds)
     assert rounds[-1]["loss"] < rounds[0]["loss"] - 0.5
-    assert rounds[-1]["eval_loss"] < 3.6
 
     resumed = swarm.peer("resumed", "--max-rounds", "8", "--checkpoint-dir", checkpoint, join=False)
     assert resumed.wait(180) == 0, resumed.stderr[-2000:]

@@ -1,0 +1,94 @@
+"""When a round's inner phase ends, so that peers holding the same state reach matchmaking together.
+
+- After an outer step the group already agrees: its members shared their pace in the all-reduce and
+  all computed the same length for the next round (``Synchronizer._next_round_seconds``).
+- A peer without that agreement (a joiner, or one that missed its group and caught up) lines up with
+  the plans that the peers holding its state published in their records (``consensus.round_target``).
+  Until it finds such plans it keeps training and keeps looking: once the swarm moves on, it catches
+  up mid-round (keeping its work) and takes the swarm's end time as its own.
+
+Within the deadline a faster peer may do up to 2H steps and a slower one fewer, so nobody idles at
+matchmaking; a peer alone, or before any pace is known, does exactly H steps.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+from hivemind.utils import get_dht_time
+
+from peer.config import RunConfig
+from peer.consensus import peers_with_state, round_target
+from peer.sync import Synchronizer
+
+WATCH_INTERVAL = 1.0  # seconds between looks at the swarm while a round is not lined up
+
+
+class RoundClock:
+    def __init__(self, run: RunConfig, synchronizer: Synchronizer, publish: Callable[[Optional[float]], None]):
+        self.run, self.synchronizer, self.publish = run, synchronizer, publish
+        self.step_seconds: Optional[float] = None  # EMA of this peer's seconds per inner step
+        self.agreed_end: Optional[float] = None  # DHT time at which the group agreed the next round ends
+        self.deadline: Optional[float] = None  # monotonic time the current inner phase ends, if any
+        self.aligned = False
+        self.rebased = False
+        self._last_watch = 0.0
+
+    def begin(self) -> int:
+        """Plan the next inner phase; returns the step budget. Catches up first if the swarm moved on."""
+        self.rebased = self.synchronizer.catch_up(timeout=60.0)
+        now = get_dht_time()
+        target = self.agreed_end if self.agreed_end and self.agreed_end > now and not self.rebased else None
+        self.agreed_end = None
+        self.aligned = target is not None
+        if target is None:
+            target = self._target_from_records(now)
+        self.publish(target if target is not None else self._own_plan(now))
+        self._set_deadline(target, now)
+        if target is None:
+            return self.run.inner_steps
+        return 10**9 if self.run.round_seconds else 2 * self.run.inner_steps
+
+    def over(self, steps_done: int) -> bool:
+        return steps_done > 0 and self.deadline is not None and time.monotonic() >= self.deadline
+
+    def watch(self) -> None:
+        """Called between inner steps: an unaligned peer looks for the swarm's schedule and catches up."""
+        if self.aligned or time.monotonic() - self._last_watch < WATCH_INTERVAL:
+            return
+        self._last_watch = time.monotonic()
+        if self.synchronizer.catch_up(timeout=60.0):
+            self.rebased = True
+        now = get_dht_time()
+        records, mine = self.synchronizer.records.values(), self.synchronizer.my_record()
+        others = [r for r in peers_with_state(records, mine) if r.next_sync_at and r.next_sync_at > now]
+        if others:
+            target = round_target(records, mine, None, now)
+            self.aligned = True
+            self.publish(target)
+            self._set_deadline(target, now)
+
+    def finish(self, steps: int, compute_seconds: float, next_round_seconds: Optional[float]) -> None:
+        """After the round's sync: update our pace and keep the group's agreed end for the next round."""
+        if steps:
+            # an EMA weighted by the round's share of H, so that one short round does not skew the pace
+            seconds, weight = compute_seconds / steps, 0.5 * min(1.0, steps / self.run.inner_steps)
+            self.step_seconds = seconds if self.step_seconds is None else \
+                (1 - weight) * self.step_seconds + weight * seconds
+        self.agreed_end = get_dht_time() + next_round_seconds if next_round_seconds else None
+
+    def _own_plan(self, now: float) -> Optional[float]:
+        pace = self.run.round_seconds or (self.step_seconds * self.run.inner_steps if self.step_seconds else None)
+        return now + pace if pace else None
+
+    def _target_from_records(self, now: float) -> Optional[float]:
+        records, mine = self.synchronizer.records.values(), self.synchronizer.my_record()
+        if peers_with_state(records, mine):
+            self.aligned = any(r.next_sync_at and r.next_sync_at > now for r in peers_with_state(records, mine))
+            return round_target(records, mine, self._own_plan(now), now)
+        self.aligned = True  # nobody else holds our state: there is no one to line up with
+        return self._own_plan(now) if self.run.round_seconds else None
+
+    def _set_deadline(self, target: Optional[float], now: float) -> None:
+        self.deadline = None if target is None else time.monotonic() + (target - now)
