@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import signal
@@ -52,11 +53,34 @@ def init_child_process() -> None:
         pass  # not Linux: children are reaped by hivemind's own shutdown paths instead
 
 
+def _daemon_preexec() -> None:
+    """Runs in the forked p2p daemon before exec: its own process group, and death with its parent."""
+    os.setpgrp()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _spawn_daemon_detached() -> None:
+    """Make the p2p daemon this process starts survive a terminal's Ctrl+C and die with us.
+
+    Ctrl+C signals the whole foreground process group; the daemon (Go) would exit at once, and the
+    peer could no longer finish its all-reduce, announce that it leaves, or shut down without
+    tracebacks. In its own group it only stops when we stop it, or when this process dies.
+    """
+    spawn = asyncio.subprocess.create_subprocess_exec
+
+    async def spawn_detached(*args, **kwargs):
+        kwargs.setdefault("preexec_fn", _daemon_preexec)
+        return await spawn(*args, **kwargs)
+
+    asyncio.subprocess.create_subprocess_exec = spawn_detached
+
+
 class SwarmDHT(hivemind.DHT):
-    """hivemind.DHT whose background process dies with the process that started it."""
+    """hivemind.DHT whose background process, and its p2p daemon, die with the process that started it."""
 
     def run(self) -> None:
         init_child_process()
+        _spawn_daemon_detached()
         super().run()
 
 

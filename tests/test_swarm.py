@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -93,11 +94,16 @@ def test_lone_peer_learns_and_resumes_from_checkpoint(swarm, tmp_path):
     assert after[0]["tokens_total"] == rounds[-1]["tokens_total"] + after[0]["tokens"]
 
 
-def test_sigterm_checkpoints_and_exits_zero(swarm, tmp_path):
+@pytest.mark.parametrize("stop", ["SIGTERM to the peer", "Ctrl+C to its process group"])
+def test_stop_checkpoints_and_exits_zero(swarm, tmp_path, stop):
     checkpoint = tmp_path / "ckpt"
     peer = swarm.peer("lone", "--checkpoint-dir", str(checkpoint), join=False)
     peer.wait_rounds(2, timeout=180)
-    peer.signal(signal.SIGTERM)
+    if stop.startswith("SIGTERM"):
+        peer.signal(signal.SIGTERM)
+    else:  # a terminal signals every process of the foreground group, the p2p daemon included
+        os.killpg(peer.popen.pid, signal.SIGINT)
     assert peer.wait(30) == 0, peer.stderr[-2000:]
     assert (checkpoint / "state.pt").exists()
     assert "leaving after the current step" in peer.stderr
+    assert "Traceback" not in peer.stderr, peer.stderr[-3000:]
