@@ -38,12 +38,12 @@ PRESETS = {
 }
 
 
-def build_model(preset_name: str, vocab_size: int, seq_len: int, seed: int) -> torch.nn.Module:
-    """A freshly initialised model; the same (preset, vocab, seq_len, seed) gives the same weights on CPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM  # slow import: keep it off the CLI's error paths
+def model_config(preset_name: str, vocab_size: int, seq_len: int):
+    """The transformers LlamaConfig of a preset."""
+    from transformers import LlamaConfig  # slow import: keep it off the CLI's error paths
 
     preset = PRESETS[preset_name]
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=preset.hidden,
         intermediate_size=preset.intermediate,
@@ -54,6 +54,13 @@ def build_model(preset_name: str, vocab_size: int, seq_len: int, seed: int) -> t
         tie_word_embeddings=preset_name in ("tiny", "small"),
         use_cache=False,
     )
+
+
+def build_model(preset_name: str, vocab_size: int, seq_len: int, seed: int) -> torch.nn.Module:
+    """A freshly initialised model; the same (preset, vocab, seq_len, seed) gives the same weights on CPU."""
+    from transformers import LlamaForCausalLM
+
+    config = model_config(preset_name, vocab_size, seq_len)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
