@@ -76,6 +76,7 @@ class Synchronizer:
         self.publisher = RecordPublisher(dht, run_id)
         self.announced: dict = dict(ttl=60.0)
         self.step_seconds: Optional[float] = None
+        self.merged_ours = False
         self.contributions: Deque[Tuple[int, torch.Tensor]] = deque(maxlen=KEEP_CONTRIBUTIONS)
 
     # ---- the swarm's view ----
@@ -101,8 +102,15 @@ class Synchronizer:
         self.publisher.publish(self.my_record(**self.fields()), self.announced["ttl"])
 
     # ---- catch-up ----
-    def catch_up(self, timeout: float) -> bool:
-        """Adopt the swarm's best state if it beats ours; True if we rebased onto it."""
+    def catch_up(self, timeout: float, attempted_epoch: Optional[int] = None) -> bool:
+        """Adopt the swarm's best state if it beats ours; True if we rebased onto it.
+
+        ``attempted_epoch``: we just sent our delta in an all-reduce at this epoch that failed for us.
+        If the adopted state says it merged our delta at that epoch, the group finished without us
+        (a member's results reached the others but not us): then our work is in, and carrying it
+        again would count it twice; ``self.merged_ours`` tells the caller.
+        """
+        self.merged_ours = False
         best = choose_state(self.refresh().values(), self.my_record())
         if best is None:
             return False
@@ -114,16 +122,17 @@ class Synchronizer:
             logger.warning("could not download the swarm's state from any holder; training on ours for now")
             return False
         donor, metadata, tensors = downloaded
-        if not self.adopt(metadata, tensors):
+        if not self.adopt(metadata, tensors, attempted_epoch):
             logger.warning(f"peer {donor} sent a state that fails its hash check; ignored")
             return False
         self._republish()  # others count us in their next group as soon as we hold their state
         return True
 
-    def adopt(self, metadata: dict, tensors: List[torch.Tensor]) -> bool:
+    def adopt(self, metadata: dict, tensors: List[torch.Tensor], attempted_epoch: Optional[int] = None) -> bool:
         """Verify a downloaded (G, m, e) against its hash and rebase onto it.
 
-        theta <- G_new - (G - theta) - (own deltas that the new lineage has not merged)
+        theta <- G_new - (G - theta) - (own deltas that the new lineage has not merged),
+        or theta <- G_new if the new lineage merged the delta we attempted at ``attempted_epoch``.
         """
         try:
             params, momentum = (t.to(torch.float32).reshape(-1).contiguous() for t in tensors)
@@ -135,14 +144,18 @@ class Synchronizer:
             return False
         if state_hash(params, momentum, epoch) != claimed:
             return False
+        mine_merged = merged.get(self.peer_id, -1)
         with self.lock:
-            shift = params - self.state.params  # one temporary copy; freed when we return
-            mine_merged = merged.get(self.peer_id, -1)
-            for contributed_at, delta in self.contributions:
-                if contributed_at > mine_merged:  # merged only in the lineage we are leaving
-                    shift.sub_(delta)
+            if attempted_epoch is not None and mine_merged == attempted_epoch:
+                self.merged_ours = True
+                self.layout.scatter(params, self.trainer.params)
+            else:
+                shift = params - self.state.params  # one temporary copy; freed when we return
+                for contributed_at, delta in self.contributions:
+                    if contributed_at > mine_merged:  # merged only in the lineage we are leaving
+                        shift.sub_(delta)
+                self.layout.add_into(shift, self.trainer.params)
             self.contributions.clear()
-            self.layout.add_into(shift, self.trainer.params)
             self.state.params, self.state.momentum = params, momentum
             self.state.epoch, self.state.tokens_total, self.state.merged = epoch, tokens_total, merged
         return True
@@ -186,7 +199,12 @@ class Synchronizer:
                 if NO_GROUP not in str(e):
                     result.error = f"all-reduce failed ({first_line(e)}); retrying with the survivors"
                     logger.warning(result.error)
-                    self.catch_up(timeout=max(deadline - time.monotonic(), 1.0))
+                    attempted = self.state.epoch
+                    if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0), attempted_epoch=attempted) \
+                            and self.merged_ours:
+                        result.applied, result.rebased = True, True
+                        result.error = "our group finished without us, with our delta merged: adopted its state"
+                        break
                     continue
                 if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0)):
                     result.rebased = True
