@@ -3,7 +3,7 @@
     peer = Peer(run_flags, node, sync, net)
     try:
         peer.build()
-        peer.run()
+        peer.run_rounds()
     finally:
         peer.close()
 """
