@@ -25,6 +25,10 @@ class Codec(ABC):
     def decode(self, data: bytes, numel: int) -> torch.Tensor:
         """Decode ``numel`` values from ``data`` into a new 1-D fp32 tensor; ValueError if the size is wrong."""
 
+    def wire_bytes(self, numel: int) -> int:
+        """Exact size of ``encode`` for ``numel`` values."""
+        return int(numel * self.bits_per_value) // 8
+
     def ratio(self) -> float:
         """Wire bytes per fp32 byte (1.0 = uncompressed)."""
         return self.bits_per_value / 32.0

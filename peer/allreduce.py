@@ -153,7 +153,6 @@ class ExactAllReduceRunner(AllReduceRunner):
         )
         self._encoded: Dict[int, asyncio.Future] = {}
         self.fault_hook = fault_hook
-        self.bytes_sent = self.bytes_received = 0
 
     @property
     def my_index(self) -> int:
@@ -191,16 +190,15 @@ class ExactAllReduceRunner(AllReduceRunner):
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
 
-            def decode(message: averaging_pb2.AveragingData) -> Tuple[int, torch.Tensor]:
+            def decode(message: averaging_pb2.AveragingData) -> torch.Tensor:
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise GroupLostMember(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-                return message.ByteSize(), self.compression.extract(message.tensor_part)
+                return self.compression.extract(message.tensor_part)
 
             part_index = 0
-            async for size, averaged in amap_in_executor(
+            async for averaged in amap_in_executor(
                 decode, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=container.prefetch
             ):
-                self.bytes_received += size
                 container.register_processed_part(peer_index, part_index, averaged)
                 part_index += 1
             if part_index != container.num_parts_by_peer[peer_index]:
@@ -215,7 +213,6 @@ class ExactAllReduceRunner(AllReduceRunner):
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         first = True
         async for message in super()._generate_input_for_peer(peer_index):
-            self.bytes_sent += message.ByteSize()
             yield message
             if first:
                 first = False
@@ -227,12 +224,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         reducer = self.tensor_part_reducer
         part_index = 0
 
-        def decode(message: averaging_pb2.AveragingData) -> Tuple[int, torch.Tensor, float]:
-            return message.ByteSize(), self.compression.extract(message.tensor_part), message.weight
+        def decode(message: averaging_pb2.AveragingData) -> Tuple[torch.Tensor, float]:
+            return self.compression.extract(message.tensor_part), message.weight
 
         try:
-            async for size, part, weight in amap_in_executor(decode, stream, max_prefetch=1):
-                self.bytes_received += size
+            async for part, weight in amap_in_executor(decode, stream, max_prefetch=1):
                 expected = reducer.part_shapes[part_index] if part_index < reducer.num_parts else None
                 if part.shape != expected:
                     raise GroupLostMember(f"sender #{sender_index} sent a part of shape {tuple(part.shape)}, "
@@ -243,10 +239,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     raise GroupLostMember(f"sender #{sender_index} sent non-finite values")
                 averaged = await reducer.accumulate_part(sender_index, part_index, part, weight=weight)
                 encoded = await self._encode_once(part_index, averaged)
-                reply = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
-                self.bytes_sent += reply.ByteSize()
                 part_index += 1
-                yield reply
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
         finally:
             if part_index != reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])

@@ -38,6 +38,7 @@ class RunConfig:
     outer_lr: float = opt(0.7, "outer Nesterov learning rate (DiLoCo: 0.7)")
     outer_momentum: float = opt(0.9, "outer Nesterov momentum (DiLoCo: 0.9)")
     compression: str = opt("fp16", "wire codec for the all-reduce", choices=tuple(CODECS))
+    error_feedback: bool = opt(True, "carry what the codec dropped from our delta into the next round")
     align_every: int = opt(4, "average the inner AdamW first moment every k rounds (0 = never)")
     quorum: int = opt(1, "smallest group that may apply an outer step; 1 = a lone peer never blocks")
     grace_seconds: float = opt(5.0, "matchmaking window: how long a ready peer waits for late peers")

@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from compression import get_codec
+from compression.feedback import ErrorFeedback
 from dht.errors import UserError
 from dht.manifest import MANIFEST_TTL, RunManifest, join_or_create, publish_manifest
 from dht.node import DHTConfig, start_dht, visible_maddrs
@@ -53,6 +54,7 @@ class Peer:
         self.last_loss: Optional[float] = None
         self.last_round_seconds: Optional[float] = None
         self.manifest_published_at = self.last_published = 0.0
+        self.traffic_seen = (0, 0)  # transport bytes counted up to the end of the last round
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -89,6 +91,9 @@ class Peer:
         self.delta = self.layout.empty(shared=True)
         self.moment = self.layout.empty(shared=True) if run.align_every else None
         codec = get_codec(run.compression)
+        self.feedback = ErrorFeedback(codec, self.layout.numel, enabled=run.error_feedback)
+        if payload is not None and self.feedback.residual is not None and payload.get("residual") is not None:
+            self.feedback.residual.copy_(payload["residual"])
         self.averager = SwarmAverager(
             self.delta, self.moment, self.dht, prefix=f"{self.node.run_id}_{self.manifest.hash}", codec=codec,
             state_provider=self._share_state, quorum=run.quorum, grace_seconds=run.grace_seconds,
@@ -102,7 +107,7 @@ class Peer:
             averager=self.averager, dht=self.dht, run_id=self.node.run_id, manifest_hash=self.manifest.hash,
             peer_id=self.peer_id, state=self.state, trainer=self.trainer, layout=self.layout, run=run,
             sync=self.sync_config, delta=self.delta, moment=self.moment, lock=self.lock,
-            client_mode=net.client_mode,
+            client_mode=net.client_mode, feedback=self.feedback,
         )
         self.clock = RoundClock(run, self.synchronizer, lambda next_sync_at: self._publish(next_sync_at=next_sync_at))
         if self.synchronizer.catch_up(timeout=60.0):
@@ -223,19 +228,28 @@ class Peer:
             if result.applied and self.state.epoch % run.eval_every == 0:
                 eval_loss = self.trainer.evaluate(self.eval_batches)
             result.rebased = result.rebased or clock.rebased
-            self.reporter.round(self._metrics(stats, result, sync_seconds, stale, eval_loss))
+            traffic = self._round_traffic()
+            self.reporter.round(self._metrics(stats, result, sync_seconds, stale, eval_loss, traffic))
             self._checkpoint()
         return 0
+
+    def _round_traffic(self):
+        """Bytes this peer's averager moved through the transport since the last round ended."""
+        sent, received = self.averager.traffic()
+        traffic = (sent - self.traffic_seen[0], received - self.traffic_seen[1])
+        self.traffic_seen = (sent, received)
+        return traffic
 
     def _global_step(self) -> int:
         return self.state.epoch * self.run.inner_steps
 
-    def _metrics(self, stats, result: SyncResult, sync_seconds: float, stale: int, eval_loss) -> Dict[str, Any]:
+    def _metrics(self, stats, result: SyncResult, sync_seconds: float, stale: int, eval_loss,
+                 traffic) -> Dict[str, Any]:
         return dict(
             epoch=self.state.epoch, time=time.time(), peer_id=self.peer_id, round=self.rounds, loss=stats.loss,
             eval_loss=eval_loss, tokens=stats.tokens, tokens_total=self.state.tokens_total,
             inner_steps=stats.steps, group_size=len(result.group), group=list(result.group),
-            state_hash=self.state.hash(), bytes_sent=result.bytes_sent, bytes_received=result.bytes_received,
+            state_hash=self.state.hash(), bytes_sent=traffic[0], bytes_received=traffic[1],
             compute_seconds=stats.compute_seconds, sync_seconds=sync_seconds, stale=stale,
             rebased=result.rebased, applied=result.applied, attempts=result.attempts, aligned=result.aligned,
             lr=stats.lr, tokens_per_second=stats.tokens / max(stats.compute_seconds, 1e-9), error=result.error,
@@ -280,6 +294,7 @@ class Peer:
                 optimizer=self.trainer.optimizer.state_dict(), local_steps=self.trainer.local_steps,
                 data_position=self.stream.position, pending_tokens=self.pending_tokens,
                 pending_rounds=self.pending_rounds, rounds=self.rounds, last_loss=self.last_loss,
+                residual=self.feedback.residual,
             )
             save_checkpoint(self.node.checkpoint_dir, payload)
 

@@ -28,6 +28,8 @@ from typing import Deque, Dict, List, Optional, Tuple
 import torch
 from hivemind.utils import get_dht_time
 
+from compression import get_codec
+from compression.feedback import ErrorFeedback
 from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
@@ -54,8 +56,6 @@ class SyncResult:
     applied: bool = False
     group: Tuple[str, ...] = ()
     group_tokens: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
     attempts: int = 0
     aligned: bool = False
     rebased: bool = False
@@ -67,11 +67,12 @@ class Synchronizer:
     def __init__(self, *, averager: SwarmAverager, dht, run_id: str, manifest_hash: str, peer_id: str,
                  state: GlobalState, trainer: InnerTrainer, layout: FlatLayout, run: RunConfig,
                  sync: SyncConfig, delta: torch.Tensor, moment: Optional[torch.Tensor], lock: threading.Lock,
-                 client_mode: bool):
+                 client_mode: bool, feedback: Optional[ErrorFeedback] = None):
         self.averager, self.dht, self.run_id, self.manifest_hash = averager, dht, run_id, manifest_hash
         self.peer_id, self.state, self.trainer, self.layout = peer_id, state, trainer, layout
         self.run, self.config, self.delta, self.moment, self.lock = run, sync, delta, moment, lock
         self.client_mode = client_mode
+        self.feedback = feedback or ErrorFeedback(get_codec("none"), 0)
         self.records: Dict[str, PeerRecord] = {}
         self.publisher = RecordPublisher(dht, run_id)
         self.announced: dict = dict(ttl=60.0)
@@ -148,6 +149,8 @@ class Synchronizer:
         with self.lock:
             if attempted_epoch is not None and mine_merged == attempted_epoch:
                 self.merged_ours = True
+                own_delta = self.layout.gather(self.trainer.params, self.layout.empty())
+                self.feedback.commit(torch.sub(self.state.params, own_delta, out=own_delta))
                 self.layout.scatter(params, self.trainer.params)
             else:
                 shift = params - self.state.params  # one temporary copy; freed when we return
@@ -232,8 +235,7 @@ class Synchronizer:
         if self.run.quorum > 1:
             result.error = f"no group of at least {self.run.quorum} peers formed"
             return
-        outcome = dict(gathered={self.peer_id: dict(tokens=tokens, step_seconds=self.step_seconds)}, aligned=False,
-                       bytes_sent=0, bytes_received=0)
+        outcome = dict(gathered={self.peer_id: dict(tokens=tokens, step_seconds=self.step_seconds)}, aligned=False)
         self._apply(outcome, result)
 
     def _fill_buffers(self, align: bool) -> bool:
@@ -243,6 +245,7 @@ class Synchronizer:
             if align:
                 self.layout.gather(self.trainer.first_moments(), self.moment)
             if torch.isfinite(self.delta).all():
+                self.feedback.quantize(self.delta, out=self.delta)  # what we send: delta + residual, quantized
                 return True
         logger.error("the local model diverged (non-finite pseudo-gradient); resetting it to the global state")
         self.layout.scatter(self.state.params, self.trainer.params)
@@ -270,6 +273,7 @@ class Synchronizer:
             return
         own_delta = self.layout.gather(self.trainer.params, self.layout.empty())
         torch.sub(self.state.params, own_delta, out=own_delta)  # our delta again: the buffer now holds the average
+        self.feedback.commit(own_delta)  # own_delta becomes what we sent; the residual keeps the rest
         with self.lock, self.averager.get_tensors():
             if not torch.isfinite(self.delta).all():
                 result.error = "the averaged pseudo-gradient is not finite; not applied"
@@ -287,5 +291,3 @@ class Synchronizer:
         result.group = tuple(sorted(gathered))
         result.group_tokens = sum(int(info["tokens"]) for info in gathered.values())
         result.next_round_seconds = self._next_round_seconds(gathered)
-        result.bytes_sent += outcome["bytes_sent"]
-        result.bytes_received += outcome["bytes_received"]

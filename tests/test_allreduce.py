@@ -74,9 +74,12 @@ def test_members_end_bit_identical_with_the_weighted_mean(dhts, codec):
         expected = sum(w * v for w, v in zip(weights, values)) / sum(weights)
         tolerance = {"none": 1e-6, "fp16": 2e-3}[codec]
         torch.testing.assert_close(results[0], expected, rtol=0, atol=tolerance)
-        for outcome in outcomes:
+        for outcome, averager in zip(outcomes, averagers):
             assert len(outcome["gathered"]) == 3
-            assert outcome["bytes_sent"] > 0 and outcome["bytes_received"] > 0
+            sent, received = averager.traffic()
+            # each member sends 2/3 of its vector to the other reducers and returns its reduced third to both
+            expected = 2 * (2 / 3) * get_codec(codec).wire_bytes(SIZE)
+            assert 0.95 * expected < sent < 1.15 * expected and 0.95 * expected < received < 1.15 * expected
     finally:
         for averager in averagers:
             averager.shutdown()
