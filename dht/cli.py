@@ -31,6 +31,22 @@ def _unwrap_optional(tp: Any) -> Any:
     return tp
 
 
+def require_positive(config: Any, *names: str) -> None:
+    """ValueError naming the first field (of those set) that is not > 0."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+def require_non_negative(config: Any, *names: str) -> None:
+    """ValueError naming the first field (of those set) that is < 0."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: Type[Any], title: Optional[str] = None) -> None:
     """Add one flag per CLI field of dataclass ``cls`` to ``parser`` (in an argument group if titled)."""
     group = parser.add_argument_group(title) if title else parser

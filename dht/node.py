@@ -14,7 +14,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2PDaemonError
 
 from dht.addresses import parse_maddrs
-from dht.cli import opt
+from dht.cli import opt, require_positive
 from dht.errors import UserError
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -35,8 +35,7 @@ class DHTConfig:
         parse_maddrs(self.initial_peers, flag="--initial-peers", need_peer_id=True)
         parse_maddrs(self.host_maddrs, flag="--host-maddrs", need_peer_id=False)
         parse_maddrs(self.announce_maddrs, flag="--announce-maddrs", need_peer_id=False)
-        if self.startup_timeout <= 0:
-            raise ValueError(f"startup_timeout must be positive, got {self.startup_timeout}")
+        require_positive(self, "startup_timeout")
 
 
 def init_child_process() -> None:

@@ -216,7 +216,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             yield message
             if first:
                 first = False
-                self._fire("allreduce")  # a fault plan may kill this peer while it is sending
+                self._fire("send")  # a fault plan may strike this peer while it is sending
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                           sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -237,6 +237,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                     raise GroupLostMember(f"sender #{sender_index} sent weight {weight}")
                 if not torch.isfinite(part).all():
                     raise GroupLostMember(f"sender #{sender_index} sent non-finite values")
+                if part_index == 0:
+                    self._fire("reduce")  # a fault plan may strike this peer while it is reducing
                 averaged = await reducer.accumulate_part(sender_index, part_index, part, weight=weight)
                 encoded = await self._encode_once(part_index, averaged)
                 part_index += 1

@@ -7,7 +7,8 @@ What it adds to hivemind's averager:
   whole grace window;
 - the all-reduce is ``ExactAllReduceRunner`` (members end bit-identical or the round fails), and it
   averages the inner first moment too on alignment rounds;
-- ``download_state`` fetches (G, m, metadata) from a chosen list of donors.
+- ``download_state`` fetches (G, m, metadata) from several donors at once, slice by slice, and
+  carries on from the others when a donor dies or stalls (hivemind downloads from one donor).
 """
 
 from __future__ import annotations
@@ -17,18 +18,19 @@ import ctypes
 import hashlib
 import logging
 import multiprocessing as mp
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections import deque
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import P2P, PeerID
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip, enter_asynchronously
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from compression import Codec
 from dht.node import init_child_process
@@ -36,6 +38,8 @@ from peer.allreduce import ExactAllReduceRunner, GroupLostMember
 
 logger = logging.getLogger(__name__)
 
+STATE_SLICE = 1 << 22  # floats per slice of a state download (16 MiB): at least two slices per donor
+SNAPSHOT_IDLE = 30.0  # seconds a donor keeps a state snapshot after the last slice it served from it
 StateProvider = Callable[[], Tuple[Dict[str, Any], Sequence[torch.Tensor]]]
 
 
@@ -75,6 +79,8 @@ def _meter_transport(traffic) -> None:
 class SwarmAverager(DecentralizedAverager):
     """Averages ``delta`` (and ``moment`` on alignment rounds) with whichever peers share our state."""
 
+    _rpc_handlers = _stub_type = None  # hivemind caches these per class: collect ours, rpc_download_slice too
+
     def __init__(
         self,
         delta: torch.Tensor,
@@ -94,7 +100,9 @@ class SwarmAverager(DecentralizedAverager):
         part_size_bytes: int = 2**20,
     ):
         self.codec, self.fault_hook, self._state_provider = codec, fault_hook, state_provider
-        self.exact_timeout = allreduce_timeout
+        self.exact_timeout, self.part_timeout = allreduce_timeout, part_timeout  # set per round by prepare_round
+        self._shared: Optional[Tuple[Dict[str, Any], List[torch.Tensor]]] = None  # a snapshot donors serve
+        self._shared_used = 0.0
         self._traffic = mp.Array(ctypes.c_ulonglong, 2)  # written by the averager process, read by ours
         self.round_epoch = -1  # the epoch being synced, as set by prepare_round (averager process)
         self.has_moment = moment is not None
@@ -127,19 +135,22 @@ class SwarmAverager(DecentralizedAverager):
         return self._traffic[0], self._traffic[1]
 
     # ---- round control (main process -> averager process) ----
-    def prepare_round(self, epoch: int, state_hash: str, min_group: int, expected_group: int) -> None:
-        """Use this round's matchmaking key. A leader closes the group as soon as ``expected_group`` peers
-        joined, or when its grace window ends with at least ``min_group``; below that, no group forms."""
+    def prepare_round(self, epoch: int, state_hash: str, min_group: int, expected_group: int,
+                      allreduce_timeout: float, part_timeout: float) -> None:
+        """Use this round's matchmaking key and deadlines. A leader closes the group as soon as
+        ``expected_group`` peers joined, or when its grace window ends with at least ``min_group``; below
+        that, no group forms."""
         future = MPFuture()
         self._outer_pipe.send(("_prepare_round", [], dict(
             epoch=epoch, bits=round_bits(epoch, state_hash), min_group=min_group, expected_group=expected_group,
-            future=future)))
+            allreduce_timeout=allreduce_timeout, part_timeout=part_timeout, future=future)))
         future.result(timeout=30)
 
     async def _prepare_round(self, epoch: int, bits: str, min_group: int, expected_group: int,
-                             future: MPFuture) -> None:
+                             allreduce_timeout: float, part_timeout: float, future: MPFuture) -> None:
         try:
             self.round_epoch = epoch
+            self.exact_timeout, self.part_timeout = allreduce_timeout, part_timeout
             key_manager = self._matchmaking.group_key_manager
             key_manager.group_bits = bits
             # hivemind re-buckets the key after each group, assuming groups never exceed the target; our
@@ -176,6 +187,7 @@ class SwarmAverager(DecentralizedAverager):
         peer_fractions = await asyncio.get_event_loop().run_in_executor(
             None, load_balance_peers, size, download_bandwidths, min_vector_size
         )
+        started = asyncio.get_event_loop().time()
         try:
             async with asyncio.timeout(self.exact_timeout):
                 async with enter_asynchronously(self.get_tensors()) as local_tensors:
@@ -183,8 +195,8 @@ class SwarmAverager(DecentralizedAverager):
                     runner = ExactAllReduceRunner(
                         p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_id=group_info.group_id,
                         tensors=local_tensors, weight=kwargs["weight"], ordered_peer_ids=group_info.peer_ids,
-                        peer_fractions=peer_fractions, modes=modes, sender_timeout=kwargs["sender_timeout"],
-                        reducer_timeout=kwargs["reducer_timeout"], codec=self.codec,
+                        peer_fractions=peer_fractions, modes=modes, sender_timeout=self.part_timeout,
+                        reducer_timeout=2 * self.part_timeout, codec=self.codec,
                         part_size_bytes=kwargs["part_size_bytes"], fault_hook=self._fire,
                     )
                     self._running_groups[group_info.group_id].set_result(runner)
@@ -196,51 +208,150 @@ class SwarmAverager(DecentralizedAverager):
             raise
         except Exception as e:  # hivemind's _step only retries on its own exception types
             raise GroupLostMember(f"all-reduce failed: {e!r}") from None
-        return dict(gathered=gathered, aligned=count == 2)
+        return dict(gathered=gathered, aligned=count == 2, seconds=asyncio.get_event_loop().time() - started)
 
-    def _fire(self, phase: str) -> None:
+    def _fire(self, phase: str, epoch: Optional[int] = None) -> None:
         if self.fault_hook is not None:
-            self.fault_hook(phase, self.round_epoch)
+            self.fault_hook(phase, self.round_epoch if epoch is None else epoch)
 
-    # ---- state sharing ----
+    # ---- state sharing: a downloader takes slices of (G, m) from several donors at once ----
     def get_current_state(self):
         """Called in the main process when a peer downloads our state: (metadata, [G, m], infos)."""
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
 
-    def download_state(self, donors: Sequence[str], timeout: float) -> Optional[Tuple[str, Dict, List[torch.Tensor]]]:
-        """Try ``donors`` in order; return (donor, metadata, tensors) from the first that answers."""
-        future = MPFuture()
-        self._outer_pipe.send(("_download_state", [], dict(donors=list(donors), timeout=timeout, future=future)))
-        return future.result(timeout=timeout * max(len(donors), 1) + 10)
+    async def _snapshot(self, wanted_hash: str) -> Optional[Tuple[Dict[str, Any], List[torch.Tensor]]]:
+        """Our state as (metadata, [G, m]) if its hash is ``wanted_hash``; one snapshot serves every slice
+        of a download, and is dropped once no one has asked for it for SNAPSHOT_IDLE seconds."""
+        async with self._snapshot_lock:
+            if self._shared is None or self._shared[0].get("hash") != wanted_hash:
+                self._shared = None
+                metadata, tensors, _ = await self._get_current_state_from_host_process()
+                metadata = self.serializer.loads(metadata)
+                if not isinstance(metadata, dict) or metadata.get("hash") != wanted_hash:
+                    return None
+                self._shared = (metadata, list(tensors))
+                asyncio.get_event_loop().call_later(SNAPSHOT_IDLE, self._drop_idle_snapshot)
+            self._shared_used = asyncio.get_event_loop().time()
+            return self._shared
 
-    async def _download_state(self, donors: List[str], timeout: float, future: MPFuture) -> None:
+    def _drop_idle_snapshot(self) -> None:
+        idle = asyncio.get_event_loop().time() - self._shared_used
+        if idle >= SNAPSHOT_IDLE:
+            self._shared = None
+        elif self._shared is not None:
+            asyncio.get_event_loop().call_later(SNAPSHOT_IDLE - idle, self._drop_idle_snapshot)
+
+    @property
+    def _snapshot_lock(self) -> asyncio.Lock:
+        if not hasattr(self, "_snapshot_lock_"):
+            self._snapshot_lock_ = asyncio.Lock()  # created in the averager process, on its event loop
+        return self._snapshot_lock_
+
+    async def rpc_download_slice(self, request: averaging_pb2.DownloadData, _context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Stream values [start, end) of G followed by m, from the state with the requested hash; nothing
+        if we no longer hold that state. The first message carries the state's metadata."""
         try:
-            for donor in donors:
-                try:
-                    result = await asyncio.wait_for(self._download_from(PeerID.from_base58(donor), timeout), timeout)
-                except Exception as e:
-                    logger.info(f"state download from {donor} failed: {e!r}")
-                    continue
-                if result is not None:
-                    future.set_result((donor, *result))
-                    return
-            future.set_result(None)
-        except BaseException as e:
-            if not future.done():
-                future.set_exception(e)
+            wanted = self.serializer.loads(request.metadata)
+            wanted_hash, start, end = str(wanted["hash"]), int(wanted["start"]), int(wanted["end"])
+        except Exception:
+            return
+        snapshot = await self._snapshot(wanted_hash)
+        if snapshot is None:
+            return
+        metadata, tensors = snapshot
+        if not 0 <= start < end <= sum(t.numel() for t in tensors):
+            return
+        piece = serialize_torch_tensor(_take(tensors, start, end))
+        for index, part in enumerate(split_for_streaming(piece)):
+            yield averaging_pb2.DownloadData(tensor_part=part, metadata=self.serializer.dumps(metadata) if index == 0
+                                             else b"")
+            if index == 0:
+                self._fire("donor", int(metadata.get("epoch", 0)))  # a fault plan may strike mid-transfer
 
-    async def _download_from(self, peer: PeerID, timeout: float) -> Optional[Tuple[Dict, List[torch.Tensor]]]:
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, tensors, parts = None, [], []
-        async for message in aiter_with_timeout(stream, timeout=timeout):
+    def download_state(self, donors: Sequence[str], state_hash: str, timeout: float, part_timeout: float
+                       ) -> Optional[Tuple[List[str], Dict, List[torch.Tensor]]]:
+        """Download the state with ``state_hash`` from ``donors`` at once, a slice from each in turn; a donor
+        that fails or stalls is dropped and its slice taken from the others. Returns (donors used,
+        metadata, [G, m]), or None. The caller checks the hash."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state", [], dict(
+            donors=list(donors), state_hash=state_hash, timeout=timeout, part_timeout=part_timeout, future=future)))
+        return future.result(timeout=timeout + 10)
+
+    async def _download_state(self, donors: List[str], state_hash: str, timeout: float, part_timeout: float,
+                              future: MPFuture) -> None:
+        try:
+            result = await asyncio.wait_for(self._download_striped(donors, state_hash, part_timeout), timeout)
+        except Exception as e:
+            logger.info(f"state download failed: {e!r}")
+            result = None
+        if not future.done():
+            future.set_result(result)
+
+    async def _download_striped(self, donors: List[str], state_hash: str, part_timeout: float):
+        size = self._averaged_tensors[0].numel()  # G and m are each as large as the pseudo-gradient
+        total = 2 * size
+        count = max(2 * len(donors), -(-total // STATE_SLICE))
+        bounds = [total * i // count for i in range(count + 1)]
+        pending, parts, used, changed = deque(range(count)), {}, [], asyncio.Event()
+        metadata: Dict[str, Any] = {}
+
+        async def worker(donor: str) -> None:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(donor), namespace=self.prefix)
+            while len(parts) < count:
+                if not pending:
+                    changed.clear()
+                    await changed.wait()
+                    continue
+                index = pending.popleft()
+                try:
+                    meta, values = await self._fetch_slice(stub, state_hash, bounds[index], bounds[index + 1],
+                                                           part_timeout)
+                except Exception as e:
+                    pending.appendleft(index)
+                    changed.set()
+                    logger.info(f"state download from {donor} failed ({e!r}); taking its slices from the others")
+                    return
+                parts[index] = values
+                metadata.update(meta)
+                if donor not in used:
+                    used.append(donor)
+                changed.set()
+
+        await asyncio.gather(*(worker(donor) for donor in donors))
+        if len(parts) < count:
+            return None
+        flat = torch.cat([parts[i] for i in range(count)])
+        return used, metadata, [flat[:size], flat[size:]]
+
+    async def _fetch_slice(self, stub, state_hash: str, start: int, end: int, part_timeout: float
+                           ) -> Tuple[Dict[str, Any], torch.Tensor]:
+        request = averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(hash=state_hash, start=start,
+                                                                                 end=end)))
+        stream = await stub.rpc_download_slice(request)
+        metadata, parts = None, []
+        async for message in aiter_with_timeout(stream, timeout=part_timeout):
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
             parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return (metadata, tensors) if isinstance(metadata, dict) else None
+        if not isinstance(metadata, dict) or metadata.get("hash") != state_hash or not parts:
+            raise ValueError("the donor no longer holds that state")
+        values = deserialize_torch_tensor(combine_from_streaming(parts))
+        if values.dtype != torch.float32 or values.shape != (end - start,):
+            raise ValueError(f"the donor sent {values.dtype} of shape {tuple(values.shape)} for a slice of "
+                             f"{end - start} floats")
+        return metadata, values
+
+
+def _take(tensors: Sequence[torch.Tensor], start: int, end: int) -> torch.Tensor:
+    """Values [start, end) of the tensors laid end to end (one copy of the slice only)."""
+    pieces, offset = [], 0
+    for tensor in tensors:
+        flat = tensor.reshape(-1)
+        lo, hi = max(start - offset, 0), min(end - offset, flat.numel())
+        if lo < hi:
+            pieces.append(flat[lo:hi])
+        offset += flat.numel()
+    return torch.cat(pieces)

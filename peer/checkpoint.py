@@ -8,11 +8,12 @@ so the rename itself survives a power cut.
 from __future__ import annotations
 
 import errno
+import glob
 import logging
 import os
 import pickle
 import zipfile
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -28,8 +29,10 @@ def checkpoint_path(directory: str) -> str:
     return os.path.join(directory, FILENAME)
 
 
-def save_checkpoint(directory: str, payload: Dict[str, Any]) -> bool:
-    """Write ``payload`` atomically; on failure (a full disk, say) keep the old file and return False."""
+def save_checkpoint(directory: str, payload: Dict[str, Any],
+                    before_rename: Optional[Callable[[], None]] = None) -> bool:
+    """Write ``payload`` atomically; on failure (a full disk, say) keep the old file and return False.
+    ``before_rename`` runs once the temporary file is on disk (fault plans strike there)."""
     final = checkpoint_path(directory)
     temporary = f"{final}.tmp.{os.getpid()}"
     try:
@@ -37,6 +40,8 @@ def save_checkpoint(directory: str, payload: Dict[str, Any]) -> bool:
             torch.save(dict(payload, format=FORMAT), f)
             f.flush()
             os.fsync(f.fileno())
+        if before_rename is not None:
+            before_rename()
         os.replace(temporary, final)
         descriptor = os.open(directory, os.O_RDONLY)
         try:
@@ -58,6 +63,9 @@ def save_checkpoint(directory: str, payload: Dict[str, Any]) -> bool:
 def load_checkpoint(directory: str) -> Optional[Dict[str, Any]]:
     """The saved payload, ``None`` if there is none; a ``UserError`` if the file is corrupt."""
     path = checkpoint_path(directory)
+    for leftover in glob.glob(f"{glob.escape(path)}.tmp.*"):  # a write interrupted by a crash: never renamed
+        logger.info(f"removing {leftover}, an interrupted checkpoint write; {path} is the last complete one")
+        os.remove(leftover)
     if not os.path.exists(path):
         return None
     try:

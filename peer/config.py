@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from compression import CODECS
-from dht.cli import opt
+from dht.cli import opt, require_non_negative, require_positive
 from peer.model import PRESETS
 
 
@@ -40,6 +40,8 @@ class RunConfig:
     compression: str = opt("fp16", "wire codec for the all-reduce", choices=tuple(CODECS))
     error_feedback: bool = opt(True, "carry what the codec dropped from our delta into the next round")
     align_every: int = opt(4, "average the inner AdamW first moment every k rounds (0 = never)")
+    stale_discount: float = opt(0.5, "a contribution stale by k rounds weighs tokens x this^k in the average")
+    max_staleness: int = opt(4, "rounds of unmerged work after which a peer drops it and resyncs")
     quorum: int = opt(1, "smallest group that may apply an outer step; 1 = a lone peer never blocks")
     grace_seconds: float = opt(5.0, "matchmaking window: how long a ready peer waits for late peers")
     eval_fraction: float = opt(0.02, "tail of every text file held out for eval_loss (local datasets)")
@@ -48,16 +50,9 @@ class RunConfig:
     seed: int = opt(0, "seed of the initial weights (and of each peer's data order)")
 
     def __post_init__(self):
-        positive = ("seq_len", "batch_size", "inner_steps", "eval_batches", "eval_every", "quorum")
-        for name in positive:
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        for name in ("round_seconds", "weight_decay", "grad_clip", "align_every", "grace_seconds",
-                     "lr_decay_steps", "warmup_steps"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+        require_positive(self, "seq_len", "batch_size", "inner_steps", "eval_batches", "eval_every", "quorum")
+        require_non_negative(self, "round_seconds", "weight_decay", "grad_clip", "align_every", "grace_seconds",
+                             "lr_decay_steps", "warmup_steps", "max_staleness")
         if self.lr is not None and not 0 < self.lr < 1:
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
         if not 0 < self.outer_lr <= 10:
@@ -66,6 +61,8 @@ class RunConfig:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0 < self.eval_fraction < 0.5:
             raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
+        if not 0 < self.stale_discount <= 1:
+            raise ValueError(f"stale_discount must be in (0, 1], got {self.stale_discount}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
@@ -103,35 +100,35 @@ class NodeConfig:
     threads: int = opt(0, "torch CPU threads (0 = torch's default)")
     quiet: bool = opt(False, "no progress bar: one summary line per round")
     verbose: bool = opt(False, "debug logs, hivemind's internals included")
-    fault_plan: Optional[str] = opt(None, "test-only fault injection, e.g. kill@allreduce:3 (see peer/faults.py)")
+    fault_plan: Optional[str] = opt(None, "test-only fault injection, e.g. kill@send:3 or freeze@inner:2+5 "
+                                          "(see peer/faults.py)")
 
     def __post_init__(self):
         if not self.run_id or any(c in self.run_id for c in ". /"):
             raise ValueError(f"run_id must be non-empty without '.', '/' or spaces, got {self.run_id!r}")
-        for name in ("max_rounds", "micro_batch", "threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        require_non_negative(self, "max_rounds", "micro_batch", "threads")
 
 
 @dataclass(frozen=True)
 class SyncConfig:
     """Deadlines of the sync phase; every network wait has one."""
 
-    allreduce_timeout: float = opt(60.0, "seconds an all-reduce may take once its group is formed")
-    part_timeout: float = opt(15.0, "seconds to wait for the next part from a groupmate before dropping it")
+    allreduce_timeout: float = opt(60.0, "most seconds an all-reduce may take once its group is formed; the "
+                                         "deadline follows measured all-reduce times below this")
+    deadline_factor: float = opt(3.0, "all-reduce deadline = this x the median of recent all-reduce times")
+    deadline_floor: float = opt(5.0, "shortest all-reduce deadline, however fast recent all-reduces were")
+    part_timeout: float = opt(15.0, "most seconds to wait for the next part from a groupmate before dropping it")
     request_timeout: float = opt(3.0, "seconds to wait for a matchmaking reply")
     sync_timeout: float = opt(0.0, "max seconds of sync per round, retries included (0 = derived)")
     retries: int = opt(2, "times to retry with the survivors after an all-reduce lost a member")
 
     def __post_init__(self):
-        for name in ("allreduce_timeout", "part_timeout", "request_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.retries < 0 or self.sync_timeout < 0:
-            raise ValueError("retries and sync_timeout must be >= 0")
+        require_positive(self, "allreduce_timeout", "part_timeout", "request_timeout", "deadline_factor",
+                         "deadline_floor")
+        require_non_negative(self, "sync_timeout", "retries")
 
-    def round_budget(self, grace_seconds: float) -> float:
+    def round_budget(self, grace_seconds: float, allreduce_timeout: float) -> float:
         """The longest a round's sync may block this peer: matchmaking plus all-reduce, per attempt."""
         if self.sync_timeout:
             return self.sync_timeout
-        return (1 + self.retries) * (grace_seconds + 2 * self.request_timeout + self.allreduce_timeout)
+        return (1 + self.retries) * (grace_seconds + 2 * self.request_timeout + allreduce_timeout)

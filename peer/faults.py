@@ -1,47 +1,114 @@
-"""Fault plans as data, for tests: ``KIND@PHASE:EPOCH``, e.g. ``kill@allreduce:3``.
+"""Fault plans as data, for tests (like torchft's EventInjector).
 
-- kinds: ``kill`` (SIGKILL the whole peer: its process group, or the main process and with it every
-  child, which die with their parent)
-- phases: ``inner`` (during the inner steps of the round that starts at EPOCH) and ``allreduce``
-  (while sending parts in the all-reduce of EPOCH's round)
+A plan is a comma-separated list of events ``KIND@PHASE:EPOCH[+SECONDS]``, e.g. ``kill@send:3`` or
+``freeze@inner:2+6,slow@reduce:5+8``. Each event strikes once, at the first time this peer reaches
+PHASE in a round at or after EPOCH.
+
+Kinds:
+- ``kill``: SIGKILL the whole peer (its process group: main process, averager, DHT, p2p daemon);
+- ``freeze``: SIGSTOP the whole peer for SECONDS, then SIGCONT;
+- ``slow``: throttle the whole peer to a quarter of its speed for SECONDS (stopped 3/4 of the time);
+- ``partition``: take this peer's network links down for SECONDS, then up again. The peer must run in a
+  network namespace of its own (``docker/netns.py``), where it is root over its own links.
+A detached helper process (its own session, so the freeze does not stop it) resumes the peer or
+restores its links; a peer never waits on the helper.
+
+Phases:
+- ``inner``: halfway through the inner steps of the round;
+- ``matchmaking``: as the peer enters matchmaking;
+- ``send``: after the peer sent its first part in the all-reduce;
+- ``reduce``: after the peer, as a reducer, received a first part from a groupmate;
+- ``donor``: while the peer streams its state to a peer that downloads it;
+- ``checkpoint``: while writing a checkpoint: the temporary file is written, not yet renamed.
+Events for the first three and ``checkpoint`` fire in the peer's main process, the others in its
+averager process; each process keeps its own copy of the plan.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
-KINDS = ("kill",)
-PHASES = ("inner", "allreduce")
+KINDS = ("kill", "freeze", "slow", "partition")
+PHASES = ("inner", "matchmaking", "send", "reduce", "donor", "checkpoint")
+EVENT = re.compile(r"^(?P<kind>\w+)@(?P<phase>\w+):(?P<epoch>\d+)(?:\+(?P<seconds>\d+(?:\.\d+)?))?$")
+SLOW_DUTY = (0.3, 0.1)  # seconds stopped, seconds running: a quarter of the speed
 
 
-@dataclass(frozen=True)
-class FaultPlan:
+@dataclass
+class FaultEvent:
     kind: str
     phase: str
     epoch: int
-    main_pid: int
+    seconds: float = 0.0
+    fired: bool = False
+
+
+class FaultPlan:
+    def __init__(self, events: List[FaultEvent], group: int):
+        self.events, self.group = events, group
 
     @classmethod
     def parse(cls, text: Optional[str]) -> Optional["FaultPlan"]:
         if not text:
             return None
-        try:
-            kind, rest = text.split("@", 1)
-            phase, epoch = rest.split(":", 1)
-            plan = cls(kind, phase, int(epoch), os.getpid())
-        except ValueError:
-            raise ValueError(f"fault_plan must look like kill@allreduce:3, got {text!r}") from None
-        if kind not in KINDS or phase not in PHASES:
-            raise ValueError(f"fault_plan {text!r}: kind must be one of {KINDS}, phase one of {PHASES}")
-        return plan
+        events = []
+        for item in text.split(","):
+            match = EVENT.match(item.strip())
+            if match is None:
+                raise ValueError(f"fault_plan event {item!r} must look like kill@send:3 or freeze@inner:2+5")
+            kind, phase = match["kind"], match["phase"]
+            if kind not in KINDS or phase not in PHASES:
+                raise ValueError(f"fault_plan event {item!r}: kind must be one of {KINDS}, phase one of {PHASES}")
+            seconds = float(match["seconds"] or 0)
+            if kind != "kill" and seconds <= 0:
+                raise ValueError(f"fault_plan event {item!r}: {kind} needs a duration, e.g. {kind}@{phase}:3+5")
+            events.append(FaultEvent(kind, phase, int(match["epoch"]), seconds))
+        if os.getpgid(0) != os.getpid():
+            raise ValueError("fault plans strike the peer's whole process group: start the peer as a group leader "
+                             "(setsid, or a new session)")
+        if any(e.kind == "partition" for e in events) and not own_network_namespace():
+            raise ValueError("partition faults take the peer's links down: run it in a namespace (docker/netns.py)")
+        return cls(events, os.getpid())
 
     def fire(self, phase: str, epoch: int) -> None:
-        if phase != self.phase or epoch != self.epoch:
-            return
-        if os.getpgid(self.main_pid) == self.main_pid:
-            os.killpg(self.main_pid, signal.SIGKILL)  # the peer leads its own process group: take it all
-        os.kill(self.main_pid, signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
+        for event in self.events:
+            if not event.fired and event.phase == phase and epoch >= event.epoch:
+                event.fired = True
+                self._strike(event)
+
+    def _strike(self, event: FaultEvent) -> None:
+        group, seconds = self.group, event.seconds
+        if event.kind == "kill":
+            os.killpg(group, signal.SIGKILL)
+        elif event.kind == "freeze":
+            _detached(f"sleep {seconds}; kill -CONT -{group}")
+            os.killpg(group, signal.SIGSTOP)
+        elif event.kind == "slow":
+            stopped, running = SLOW_DUTY
+            _detached(f"end=$(($(date +%s) + {int(seconds)})); while [ $(date +%s) -lt $end ]; do "
+                      f"kill -STOP -{group}; sleep {stopped}; kill -CONT -{group}; sleep {running}; done; "
+                      f"kill -CONT -{group}")
+        elif event.kind == "partition":
+            links = [name for name in os.listdir("/sys/class/net") if name != "lo"]
+            downs = "; ".join(f"ip link set dev {name} down" for name in links)
+            ups = "; ".join(f"ip link set dev {name} up" for name in links)
+            subprocess.run(["sh", "-c", downs], check=True)
+            _detached(f"sleep {seconds}; {ups}")
+
+
+def _detached(script: str) -> None:
+    subprocess.Popen(["sh", "-c", script], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def own_network_namespace() -> bool:
+    """True if this process runs in a network namespace other than init's."""
+    try:
+        return os.readlink("/proc/self/ns/net") != os.readlink("/proc/1/ns/net")
+    except OSError:
+        return False

@@ -108,6 +108,7 @@ class Peer:
             peer_id=self.peer_id, state=self.state, trainer=self.trainer, layout=self.layout, run=run,
             sync=self.sync_config, delta=self.delta, moment=self.moment, lock=self.lock,
             client_mode=net.client_mode, feedback=self.feedback,
+            fault_hook=self.fault_plan.fire if self.fault_plan else None,
         )
         self.clock = RoundClock(run, self.synchronizer, lambda next_sync_at: self._publish(next_sync_at=next_sync_at))
         if self.synchronizer.catch_up(timeout=60.0):
@@ -213,13 +214,18 @@ class Peer:
             self.pending_rounds += 1
 
             sync_start = time.monotonic()
-            budget = self.sync_config.round_budget(run.grace_seconds)
+            budget = self.synchronizer.round_budget()
             result = self.synchronizer.sync(self.pending_tokens, budget, missed_rounds=self.pending_rounds - 1,
                                             step_seconds=clock.step_seconds or stats.compute_seconds / stats.steps)
             clock.finish(stats.steps, stats.compute_seconds, result.next_round_seconds)
             sync_seconds = time.monotonic() - sync_start
             stale = self.pending_rounds - 1
             if result.applied:
+                self.pending_tokens = self.pending_rounds = 0
+            elif self.pending_rounds > run.max_staleness:
+                self.reporter.info(f"{self.pending_rounds} rounds of work went unmerged, past --max-staleness "
+                                   f"{run.max_staleness}: dropping them and resyncing to the global state")
+                self.synchronizer.drop_unmerged()
                 self.pending_tokens = self.pending_rounds = 0
             self.rounds += 1
             self.last_loss = stats.loss
@@ -296,7 +302,8 @@ class Peer:
                 pending_rounds=self.pending_rounds, rounds=self.rounds, last_loss=self.last_loss,
                 residual=self.feedback.residual,
             )
-            save_checkpoint(self.node.checkpoint_dir, payload)
+            strike = (lambda: self.fault_plan.fire("checkpoint", self.state.epoch)) if self.fault_plan else None
+            save_checkpoint(self.node.checkpoint_dir, payload, before_rename=strike)
 
     def close(self) -> None:
         """Checkpoint, tell the swarm we left, and stop our processes; safe to call on any path."""

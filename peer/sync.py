@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 from hivemind.utils import get_dht_time
@@ -34,6 +34,7 @@ from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
 from peer.consensus import choose_state, peers_with_state
+from peer.deadlines import Deadlines
 from peer.flat import FlatLayout
 from peer.inner import InnerTrainer
 from peer.outer import GlobalState, merge_contributors, nesterov_step, state_hash
@@ -67,11 +68,14 @@ class Synchronizer:
     def __init__(self, *, averager: SwarmAverager, dht, run_id: str, manifest_hash: str, peer_id: str,
                  state: GlobalState, trainer: InnerTrainer, layout: FlatLayout, run: RunConfig,
                  sync: SyncConfig, delta: torch.Tensor, moment: Optional[torch.Tensor], lock: threading.Lock,
-                 client_mode: bool, feedback: Optional[ErrorFeedback] = None):
+                 client_mode: bool, feedback: Optional[ErrorFeedback] = None,
+                 fault_hook: Optional[Callable[[str, int], None]] = None):
         self.averager, self.dht, self.run_id, self.manifest_hash = averager, dht, run_id, manifest_hash
         self.peer_id, self.state, self.trainer, self.layout = peer_id, state, trainer, layout
         self.run, self.config, self.delta, self.moment, self.lock = run, sync, delta, moment, lock
-        self.client_mode = client_mode
+        self.client_mode, self.fault_hook = client_mode, fault_hook
+        self.deadlines = Deadlines(ceiling=sync.allreduce_timeout, floor=sync.deadline_floor,
+                                   factor=sync.deadline_factor, part_ceiling=sync.part_timeout)
         self.feedback = feedback or ErrorFeedback(get_codec("none"), 0)
         self.records: Dict[str, PeerRecord] = {}
         self.publisher = RecordPublisher(dht, run_id)
@@ -118,14 +122,16 @@ class Synchronizer:
         donors = [r.peer_id for r in self.records.values() if r.state_hash == best.state_hash and not r.client_mode]
         logger.info(f"swarm is at epoch {best.epoch} ({best.state_hash[:8]}), we are at {self.state.epoch}: "
                     f"downloading the state from {len(donors)} peer(s)")
-        downloaded = self.averager.download_state(donors, timeout=timeout)
+        downloaded = self.averager.download_state(donors, best.state_hash, timeout=timeout,
+                                                  part_timeout=self.deadlines.part())
         if downloaded is None:
             logger.warning("could not download the swarm's state from any holder; training on ours for now")
             return False
-        donor, metadata, tensors = downloaded
+        used, metadata, tensors = downloaded
         if not self.adopt(metadata, tensors, attempted_epoch):
-            logger.warning(f"peer {donor} sent a state that fails its hash check; ignored")
+            logger.warning(f"the state from {', '.join(used)} fails its hash check; ignored")
             return False
+        logger.info(f"adopted epoch {self.state.epoch} ({self.state.hash()[:8]}), downloaded from {len(used)} peer(s)")
         self._republish()  # others count us in their next group as soon as we hold their state
         return True
 
@@ -168,7 +174,8 @@ class Synchronizer:
              step_seconds: Optional[float] = None) -> SyncResult:
         """Average this round's work with the peers that hold our state; see the module docstring.
 
-        ``missed_rounds``: rounds in a row this peer's work went unmerged. A peer that misses a group
+        ``missed_rounds``: rounds in a row this peer's work went unmerged; it weighs
+        tokens x stale_discount^missed_rounds in the average (DESIGN.md step 6). A peer that misses a group
         while others hold its state does not step alone (that would fork the run); it catches up and
         contributes later. Only after MAX_MISSED such rounds does a quorum-1 peer go on alone.
         ``step_seconds``: this peer's recent seconds per inner step, shared with the group so that every
@@ -195,9 +202,11 @@ class Synchronizer:
             if expected == 1:  # nobody else holds our state: no one to wait for
                 self._apply_alone(tokens, result)
                 break
-            self.averager.prepare_round(self.state.epoch, self.state.hash(), max(2, self.run.quorum), expected)
+            self.averager.prepare_round(self.state.epoch, self.state.hash(), max(2, self.run.quorum), expected,
+                                        allreduce_timeout=self.deadlines.allreduce(),
+                                        part_timeout=self.deadlines.part())
             try:
-                outcome = self._average(tokens, align, deadline)
+                outcome = self._average(tokens, tokens * self.run.stale_discount ** missed_rounds, align, deadline)
             except Exception as e:  # AllreduceException, TimeoutError, or anything the averager process hit
                 if NO_GROUP not in str(e):
                     result.error = f"all-reduce failed ({first_line(e)}); retrying with the survivors"
@@ -217,9 +226,20 @@ class Synchronizer:
                 else:
                     result.error = f"no group formed with the {expected - 1} peer(s) at our state; retrying next round"
                 break
+            self.deadlines.observe(outcome.get("seconds", 0.0))
             self._apply(outcome, result)
             break
         return result
+
+    def round_budget(self) -> float:
+        """The longest this round's sync may block us, retries included, at the current deadlines."""
+        return self.config.round_budget(self.run.grace_seconds, self.deadlines.allreduce())
+
+    def drop_unmerged(self) -> None:
+        """Past the staleness bound: forget our unmerged work and train from the global state again."""
+        with self.lock:
+            self.layout.scatter(self.state.params, self.trainer.params)
+            self.contributions.clear()
 
     def _next_round_seconds(self, gathered: dict) -> Optional[float]:
         """Every member computes this from the same gathered data, so the group starts its next round
@@ -251,12 +271,14 @@ class Synchronizer:
         self.layout.scatter(self.state.params, self.trainer.params)
         return False
 
-    def _average(self, tokens: int, align: bool, deadline: float) -> dict:
+    def _average(self, tokens: int, weight: float, align: bool, deadline: float) -> dict:
         grace = self.run.grace_seconds
+        if self.fault_hook is not None:
+            self.fault_hook("matchmaking", self.state.epoch)
         gather = dict(epoch=self.state.epoch, hash=self.state.hash(), tokens=tokens, align=align,
                       step_seconds=self.step_seconds)
         control = self.averager.step(
-            gather=gather, weight=float(tokens), scheduled_time=get_dht_time() + grace,
+            gather=gather, weight=float(weight), scheduled_time=get_dht_time() + grace,
             timeout=grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False, wait=False,
         )
         try:

@@ -11,6 +11,7 @@ from compression import get_codec
 from dht.node import LOOPBACK, DHTConfig, start_dht
 from peer.allreduce import GroupLostMember
 from peer.averager import SwarmAverager
+from peer.outer import state_hash
 
 pytestmark = pytest.mark.slow
 SIZE = 200_003
@@ -26,17 +27,25 @@ def dhts():
         node.shutdown()
 
 
-def kill_own_process(phase, epoch):
-    if phase == "allreduce":
-        os.kill(os.getpid(), signal.SIGKILL)  # the averager process dies while sending its first part
+def killer(at_phase):
+    def kill_own_process(phase, epoch):
+        if phase == at_phase:
+            os.kill(os.getpid(), signal.SIGKILL)  # the averager process dies mid-way
+    return kill_own_process
 
 
-def make_averagers(dhts, prefix, codec, hooks=(None, None, None)):
+def shared_state(epoch=7):
+    params, momentum = torch.randn(SIZE, generator=torch.Generator().manual_seed(1)), torch.linspace(-1, 1, SIZE)
+    metadata = dict(epoch=epoch, tokens_total=1000, merged={}, hash=state_hash(params, momentum, epoch))
+    return metadata, [params, momentum]
+
+
+def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None):
     averagers = []
     for dht, hook in zip(dhts, hooks):
         averager = SwarmAverager(
             torch.zeros(SIZE), None, dht, prefix=prefix, codec=get_codec(codec),
-            state_provider=lambda: ({}, []), quorum=1, grace_seconds=2.0, request_timeout=1.0,
+            state_provider=lambda: state or ({}, []), quorum=1, grace_seconds=2.0, request_timeout=1.0,
             allreduce_timeout=10.0, part_timeout=3.0, client_mode=False, fault_hook=hook, part_size_bytes=2**16,
         )
         averager.run_in_background(await_ready=True)
@@ -49,7 +58,8 @@ def run_round(averagers, values, weights):
     for averager, value, weight in zip(averagers, values, weights):
         with averager.get_tensors() as (delta,):
             delta.copy_(value)
-        averager.prepare_round(0, "cafe", min_group=len(averagers), expected_group=len(averagers))
+        averager.prepare_round(0, "cafe", min_group=len(averagers), expected_group=len(averagers),
+                               allreduce_timeout=10.0, part_timeout=3.0)
     for averager, weight in zip(averagers, weights):
         controls.append(averager.step(
             gather=dict(epoch=0, hash="cafe", tokens=weight, align=False), weight=float(weight),
@@ -86,7 +96,7 @@ def test_members_end_bit_identical_with_the_weighted_mean(dhts, codec):
 
 
 def test_a_member_killed_mid_allreduce_fails_the_round_for_everyone(dhts):
-    averagers = make_averagers(dhts, "lost_member", "fp16", hooks=(None, None, kill_own_process))
+    averagers = make_averagers(dhts, "lost_member", "fp16", hooks=(None, None, killer("send")))
     try:
         values = [torch.full((SIZE,), float(i)) for i in range(3)]
         controls = run_round(averagers, values, [1, 1, 1])
@@ -97,3 +107,21 @@ def test_a_member_killed_mid_allreduce_fails_the_round_for_everyone(dhts):
     finally:
         for averager in averagers[:2]:
             averager.shutdown()
+
+
+def test_state_downloads_from_several_donors_and_survives_one_dying(dhts):
+    """Slices come from both donors; when a donor dies mid-transfer, the rest come from the other."""
+    metadata, tensors = shared_state()
+    for hooks, expect_used in (((None, None, None), 2), ((killer("donor"), None, None), 1)):
+        averagers = make_averagers(dhts, f"download_{expect_used}", "fp16", hooks=hooks, state=(metadata, tensors))
+        try:
+            donors = [averager.peer_id.to_base58() for averager in averagers[:2]]
+            used, got_metadata, got = averagers[2].download_state(donors, metadata["hash"], timeout=30,
+                                                                  part_timeout=3)
+            assert got_metadata == metadata
+            assert all(torch.equal(a, b) for a, b in zip(got, tensors))
+            assert len(used) == expect_used and donors[1] in used
+            assert averagers[2].download_state(donors[1:], "not-that-state", timeout=10, part_timeout=3) is None
+        finally:
+            for averager in averagers[1:] if expect_used == 1 else averagers:
+                averager.shutdown()

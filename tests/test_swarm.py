@@ -55,7 +55,7 @@ def test_three_peers_agree_learn_and_admit_a_joiner(swarm):
 
 def test_peer_killed_during_allreduce(swarm):
     survivors = [swarm.peer(f"p{i}", "--max-rounds", "7") for i in range(2)]
-    victim = swarm.peer("victim", "--fault-plan", "kill@allreduce:2")
+    victim = swarm.peer("victim", "--fault-plan", "kill@send:2")
     wait_until(lambda: victim.popen.poll() is not None, 240, "the fault plan to kill the victim")
     assert victim.popen.returncode == -signal.SIGKILL
     for peer in survivors:
