@@ -26,12 +26,15 @@ averager process; each process keeps its own copy of the plan.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 import subprocess
 from dataclasses import dataclass
 from typing import List, Optional
+
+logger = logging.getLogger(__name__)
 
 KINDS = ("kill", "freeze", "slow", "partition")
 PHASES = ("inner", "matchmaking", "send", "reduce", "donor", "checkpoint")
@@ -79,6 +82,8 @@ class FaultPlan:
         for event in self.events:
             if not event.fired and event.phase == phase and epoch >= event.epoch:
                 event.fired = True
+                logger.warning(f"fault plan: {event.kind} at {phase}, epoch {epoch}"
+                               + (f", for {event.seconds:g}s" if event.seconds else ""))
                 self._strike(event)
 
     def _strike(self, event: FaultEvent) -> None:

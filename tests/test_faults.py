@@ -1,0 +1,126 @@
+"""Fault plans on real swarms: each kind of fault strikes a victim at each phase of a round.
+
+Every test asserts the invariants of DESIGN.md: in every round the survivors hold one state hash, no
+survivor's sync outlasts its deadline, the loss keeps falling, and the victim's work is not lost (a
+killed victim resumes from its checkpoint; a frozen or slowed one rejoins the groups).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+
+from tests.swarm import PeerProc, Swarm, assert_groups_agree, by_epoch, wait_until
+
+pytestmark = pytest.mark.slow
+
+PHASES = ("inner", "matchmaking", "send", "reduce", "checkpoint", "donor")
+# one attempt: the all-reduce deadline ceiling (--allreduce-timeout 10), the grace window (2 s), and slack
+DEADLINE = 10 + 2 + 5
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    swarm = Swarm(tmp_path)
+    yield swarm
+    swarm.close()
+
+
+def struck(peer: PeerProc, kind: str, phase: str) -> bool:
+    return f"fault plan: {kind} at {phase}" in peer.stderr
+
+
+def applied_after(peer: PeerProc, count: int) -> bool:
+    return sum(r["applied"] for r in peer.metrics) >= count
+
+
+def assert_invariants(survivors: List[PeerProc], everyone: List[PeerProc], min_rounds: int) -> None:
+    assert assert_groups_agree(everyone) > 0
+    table = by_epoch(survivors)
+    shared = [epoch for epoch, records in table.items() if len(records) == len(survivors)]
+    assert len(shared) >= min_rounds, f"survivors shared only epochs {sorted(shared)}"
+    for epoch in shared:
+        hashes = {name: r["state_hash"] for name, r in table[epoch].items()}
+        assert len(set(hashes.values())) == 1, f"survivors disagree at epoch {epoch}: {hashes}"
+    for peer in survivors:
+        slow = [(r["epoch"], round(r["sync_seconds"], 1)) for r in peer.metrics if r["sync_seconds"] >= DEADLINE]
+        assert not slow, f"{peer.name} was blocked past its {DEADLINE}s deadline: {slow}"
+        losses = [r["loss"] for r in peer.metrics]
+        assert losses[-1] < losses[0] - 0.5, f"{peer.name}: loss did not fall: {losses}"
+
+
+def join_until(swarm: Swarm, done, name: str, attempts: int = 3) -> PeerProc:
+    """Start joiners (each downloads the state from the peers holding it) until ``done()``."""
+    joiner = None
+    for attempt in range(attempts):
+        joiner = swarm.peer(f"{name}{attempt}")
+        wait_until(lambda: done() or applied_after(joiner, 1), 120, f"{name}{attempt} to download and apply")
+        if done():
+            return joiner
+    raise AssertionError(f"no download struck the donor in {attempts} joins")
+
+
+@pytest.mark.parametrize("kind, seconds", [("freeze", 5), ("slow", 6)])
+def test_freeze_or_slow_at_every_phase(swarm, tmp_path, kind, seconds):
+    """One victim frozen (SIGSTOP) or throttled to 1/4 speed at each phase in turn, then the donor phase."""
+    plan = ",".join(f"{kind}@{phase}:{epoch}+{seconds}" for phase, epoch in
+                    (("inner", 2), ("matchmaking", 4), ("send", 6), ("reduce", 8), ("checkpoint", 10), ("donor", 12)))
+    survivors = [swarm.peer(f"p{i}") for i in range(2)]
+    victim = swarm.peer("victim", "--fault-plan", plan, "--checkpoint-dir", str(tmp_path / "victim"))
+    for phase in PHASES[:-1]:
+        wait_until(lambda: struck(victim, kind, phase) or not victim.alive(), 240, f"{kind} at {phase}")
+        assert victim.alive(), victim.stderr[-3000:]
+    joiner = join_until(swarm, lambda: struck(victim, kind, "donor"), "joiner")
+    wait_until(lambda: applied_after(joiner, 1), 120, "the joiner to download the state and apply a round")
+    rounds = len(victim.metrics)
+    wait_until(lambda: any(r["applied"] and r["group_size"] >= 3 for r in victim.metrics[rounds:]), 120,
+               f"the {kind} victim to rejoin the groups")
+    everyone = survivors + [victim, joiner]
+    for peer in everyone:
+        peer.signal(signal.SIGTERM)
+    for peer in everyone:
+        assert peer.wait(60) == 0, peer.stderr[-3000:]
+    assert_invariants(survivors, everyone, min_rounds=10)
+
+
+def test_kill_at_every_phase_and_resume(swarm, tmp_path):
+    """A victim SIGKILLed at each phase in turn, restarted from its checkpoint dir after each death."""
+    checkpoint = tmp_path / "victim"
+    survivors = [swarm.peer(f"p{i}") for i in range(2)]
+    incarnations: List[PeerProc] = []
+    everyone = list(survivors)
+    for index, phase in enumerate(PHASES):
+        epoch = 3 if index == 0 else 0  # the first run checkpoints a few rounds before it dies
+        victim = swarm.peer(f"victim{index}", "--fault-plan", f"kill@{phase}:{epoch}",
+                            "--checkpoint-dir", str(checkpoint))
+        incarnations.append(victim)
+        everyone.append(victim)
+        if index:
+            saved = torch.load(checkpoint / "state.pt", weights_only=True)
+            wait_until(lambda: "resumed from" in victim.stderr or not victim.alive(), 60, "the restart to resume")
+            assert f"resumed from {checkpoint}: epoch {saved['epoch']}," in victim.stderr, victim.stderr[-3000:]
+            assert not list(Path(checkpoint).glob("state.pt.tmp.*")), "an interrupted write was left behind"
+        if phase == "donor":
+            wait_until(lambda: applied_after(victim, 1), 120, "the victim to hold the swarm's state")
+            joiner = join_until(swarm, lambda: not victim.alive(), "joiner")
+            everyone.append(joiner)
+            wait_until(lambda: applied_after(joiner, 1), 120, "the joiner to download the state and apply a round")
+        wait_until(lambda: not victim.alive(), 240, f"the kill at {phase}")
+        assert victim.popen.returncode == -signal.SIGKILL and struck(victim, "kill", phase), victim.stderr[-3000:]
+
+    final = swarm.peer("victim-final", "--checkpoint-dir", str(checkpoint))
+    everyone.append(final)
+    wait_until(lambda: any(r["applied"] and r["group_size"] >= 3 for r in final.metrics), 120,
+               "the restarted victim to rejoin the groups")
+    ids = {r["peer_id"] for peer in incarnations + [final] for r in peer.metrics}
+    assert len(ids) == 1, "a restart from the checkpoint dir keeps the peer id"
+    for peer in everyone:
+        peer.signal(signal.SIGTERM)
+    for peer in everyone:
+        if peer not in incarnations:
+            assert peer.wait(60) == 0, peer.stderr[-3000:]
+    assert_invariants(survivors, everyone, min_rounds=10)

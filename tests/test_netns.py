@@ -1,0 +1,161 @@
+"""The namespace test network (docker/netns.py): real TCP between namespaces, cuts, partitions, rate limits.
+
+Needs root; skipped otherwise. Servers and clients are tiny ``python -c`` scripts run inside namespaces.
+"""
+
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from docker.netns import TestNetwork, available
+
+OK, REASON = available()
+pytestmark = pytest.mark.skipif(not OK, reason=REASON or "namespace network available")
+
+# serves connections one after another: reads to EOF, answers with the byte count
+SERVER = """
+import socket, sys
+s = socket.socket()
+s.bind((sys.argv[1], 0))
+s.listen()
+print(s.getsockname()[1], flush=True)
+while True:
+    conn, _ = s.accept()
+    n = 0
+    while chunk := conn.recv(1 << 16):
+        n += len(chunk)
+    conn.sendall(str(n).encode())
+    conn.close()
+"""
+
+# sends N bytes, waits for the count; prints "<count> <seconds>", or the error and exits 1
+CLIENT = """
+import socket, sys, time
+host, port, size, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+try:
+    s = socket.create_connection((host, port), timeout=timeout)
+    start = time.monotonic()
+    s.sendall(b"x" * size)
+    s.shutdown(socket.SHUT_WR)
+    reply = s.recv(64).decode()
+    print(reply, time.monotonic() - start)
+except OSError as e:
+    print("error", e)
+    sys.exit(1)
+"""
+
+
+@pytest.fixture
+def procs():
+    """Popen objects a test started; killed and reaped afterwards."""
+    started = []
+    yield started
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def net():
+    with TestNetwork(3) as network:
+        yield network
+
+
+def start_server(net, procs, where):
+    """A server in namespace ``where`` (None: on the host at host_ip); returns (address, port) once listening."""
+    host = net.host_ip if where is None else net.ip(where)
+    argv = [sys.executable, "-c", SERVER, host]
+    proc = subprocess.Popen(argv if where is None else net.wrap(where, argv), stdout=subprocess.PIPE, text=True)
+    procs.append(proc)
+    ready, _, _ = select.select([proc.stdout], [], [], 10)
+    assert ready, "server did not start listening within 10 s"
+    return host, int(proc.stdout.readline())
+
+
+def send(net, src, server, size=1000, timeout=1.0):
+    """Send ``size`` bytes from namespace ``src`` to ``server``; the seconds it took, or None when it failed."""
+    host, port = server
+    argv = net.wrap(src, [sys.executable, "-c", CLIENT, host, str(port), str(size), str(timeout)])
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout + 20)
+    if result.returncode != 0:
+        return None
+    count, seconds = result.stdout.split()
+    assert int(count) == size
+    return float(seconds)
+
+
+def reachable_again(net, src, server, within=5.0):
+    """After heal/link_up a first connect may still fail (ARP entries that gave up during the cut): retry."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if send(net, src, server) is not None:
+            return True
+    return False
+
+
+def test_namespaces_reach_each_other_and_the_host(net, procs):
+    assert send(net, 0, start_server(net, procs, 1)) is not None
+    assert send(net, 2, start_server(net, procs, None)) is not None
+
+
+def test_wrap_keeps_the_pid(net):
+    proc = subprocess.Popen(net.wrap(0, [sys.executable, "-c", "import os; print(os.getpid())"]),
+                            stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=10)
+    assert int(out) == proc.pid
+
+
+def test_partition_and_heal(net, procs):
+    on_0, on_2, on_host = (start_server(net, procs, where) for where in (0, 2, None))
+    assert send(net, 1, on_0) is not None and send(net, 1, on_host) is not None  # 1 knows their MACs now
+    net.partition([0], [1, 2])
+    try:
+        assert send(net, 1, on_0) is None
+        assert send(net, 1, on_host) is None
+        assert send(net, 1, on_2) is not None  # same group
+        assert send(net, 2, on_0) is None
+    finally:
+        net.heal()
+    assert reachable_again(net, 1, on_0)
+    assert reachable_again(net, 1, on_host)
+    assert reachable_again(net, 2, on_0)
+
+
+def test_link_down_cuts_one_namespace_off(net, procs):
+    on_0, on_1 = start_server(net, procs, 0), start_server(net, procs, 1)
+    net.link_down(1)
+    try:
+        assert send(net, 1, on_0) is None
+        assert send(net, 0, on_1) is None
+    finally:
+        net.link_up(1)
+    assert reachable_again(net, 1, on_0)
+    assert reachable_again(net, 0, on_1)
+
+
+def test_close_removes_everything(procs):
+    network = TestNetwork(2)
+    names = [network.namespace(i) for i in range(2)]
+    inside = subprocess.Popen(network.wrap(0, [sys.executable, "-c", "import time; time.sleep(60)"]))
+    procs.append(inside)
+    network.close()
+    assert inside.wait(timeout=10) != 0  # killed by close
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    addresses = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, check=True).stdout
+    assert not any(name in namespaces for name in names)
+    assert f"ddn{network.tag}" not in links
+    assert f" {network.host_ip}/" not in addresses
+    network.close()  # idempotent
+
+
+def test_rate_limit(procs):
+    size, rate_mbit = 4_000_000, 50
+    with TestNetwork(2, rate_mbit=rate_mbit) as network:
+        start = time.monotonic()
+        seconds = send(network, 0, start_server(network, procs, 1), size=size, timeout=15)
+        assert seconds is not None, f"transfer failed after {time.monotonic() - start:.1f} s"
+        assert size * 8 / seconds / 1e6 < 60  # unshaped, veth moves this in a few ms
