@@ -9,6 +9,7 @@ into its state, and when it plans to sync next (so joiners line their rounds up 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class PeerRecord:
     client_mode: bool = False
     bytes_per_round: int = 0
     updated_at: float = 0.0
+    expires_at: float = 0.0  # DHT time the record expires unless refreshed (set by fetch_records)
 
     @classmethod
     def from_value(cls, value: object) -> Optional["PeerRecord"]:
@@ -53,11 +55,15 @@ class PeerRecord:
         return record
 
 
-def publish_record(dht: hivemind.DHT, run_id: str, record: PeerRecord, expiration_time: float) -> bool:
+def publish_record(dht: hivemind.DHT, run_id: str, record: PeerRecord, expiration_time: float,
+                   wait: bool = True) -> bool:
     """Store ``record``. The DHT keeps, per subkey, the value that expires last: a newer record must
-    expire later than the one it replaces (``RecordPublisher`` takes care of that)."""
+    expire later than the one it replaces (``RecordPublisher`` takes care of that). With ``wait=False``
+    the store runs in the background: a peer cut off from part of the swarm keeps training while the
+    DHT waits out its unreachable nodes."""
     value = dataclasses.asdict(dataclasses.replace(record, updated_at=get_dht_time()))
-    return bool(dht.store(peers_key(run_id), value, expiration_time, subkey=record.peer_id))
+    stored = dht.store(peers_key(run_id), value, expiration_time, subkey=record.peer_id, return_future=not wait)
+    return bool(stored) if wait else True
 
 
 class RecordPublisher:
@@ -68,12 +74,16 @@ class RecordPublisher:
 
     def publish(self, record: PeerRecord, ttl: float) -> bool:
         self.expiration = max(get_dht_time() + ttl, self.expiration + 1e-3)
-        return publish_record(self.dht, self.run_id, record, self.expiration)
+        return publish_record(self.dht, self.run_id, record, self.expiration, wait=False)
 
 
-def fetch_records(dht: hivemind.DHT, run_id: str) -> Dict[str, PeerRecord]:
-    """Live peers' records keyed by peer id; malformed entries are skipped."""
-    found = dht.get(peers_key(run_id), latest=True)
+def fetch_records(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = None) -> Optional[Dict[str, PeerRecord]]:
+    """Live peers' records keyed by peer id; malformed entries are skipped. None if the lookup took
+    longer than ``timeout`` (part of the swarm unreachable): the caller keeps what it knew."""
+    try:
+        found = dht.get(peers_key(run_id), latest=True, return_future=True).result(timeout=timeout)
+    except (TimeoutError, concurrent.futures.TimeoutError):
+        return None
     if found is None or not isinstance(found.value, dict):
         return {}
     records = {}
@@ -82,5 +92,5 @@ def fetch_records(dht: hivemind.DHT, run_id: str) -> Dict[str, PeerRecord]:
         if record is None or record.peer_id != subkey:
             logger.debug(f"skipping malformed peer record under {subkey!r}")
             continue
-        records[subkey] = record
+        records[subkey] = dataclasses.replace(record, expires_at=float(item.expiration_time))
     return records

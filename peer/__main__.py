@@ -49,14 +49,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     setup_logging(node.verbose)
     from peer.node import Peer  # imports torch and hivemind: after the flags are known to be fine
 
-    peer = Peer(run_flags, node, sync, net)
+    peer = None
     try:
+        peer = Peer(run_flags, node, sync, net)
         peer.build()
         return peer.run_rounds()
     except (UserError, ValueError) as e:
         return fail(str(e))
     finally:
-        peer.close()
+        if peer is not None:
+            peer.close()
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ class SwarmAverager(DecentralizedAverager):
         peer_fractions = await asyncio.get_event_loop().run_in_executor(
             None, load_balance_peers, size, download_bandwidths, min_vector_size
         )
-        started = asyncio.get_event_loop().time()
+        started, runner = asyncio.get_event_loop().time(), None
         try:
             async with asyncio.timeout(self.exact_timeout):
                 async with enter_asynchronously(self.get_tensors()) as local_tensors:
@@ -208,6 +208,9 @@ class SwarmAverager(DecentralizedAverager):
             raise
         except Exception as e:  # hivemind's _step only retries on its own exception types
             raise GroupLostMember(f"all-reduce failed: {e!r}") from None
+        finally:
+            if runner is not None and runner._future.done() and not runner._future.cancelled():
+                runner._future.exception()  # raised above already; else asyncio logs it as never retrieved
         return dict(gathered=gathered, aligned=count == 2, seconds=asyncio.get_event_loop().time() - started)
 
     def _fire(self, phase: str, epoch: Optional[int] = None) -> None:

@@ -38,6 +38,11 @@ def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord) -> List[Pe
             if r.peer_id != mine.peer_id and r.epoch == mine.epoch and r.state_hash == mine.state_hash]
 
 
+def peers_behind(records: Iterable[PeerRecord], mine: PeerRecord) -> List[PeerRecord]:
+    """Other live peers at an earlier epoch than ours: they will catch up with the swarm's best state."""
+    return [r for r in live(records, mine.manifest_hash) if r.peer_id != mine.peer_id and r.epoch < mine.epoch]
+
+
 def round_target(records: Iterable[PeerRecord], mine: PeerRecord, own_plan: Optional[float],
                  now: float) -> Optional[float]:
     """When this round should end: the median of the planned sync times of every live peer holding our

@@ -112,8 +112,9 @@ def _detached(script: str) -> None:
 
 
 def own_network_namespace() -> bool:
-    """True if this process runs in a network namespace other than init's."""
+    """True if this process runs in a named network namespace (``ip netns``), never the host's."""
     try:
-        return os.readlink("/proc/self/ns/net") != os.readlink("/proc/1/ns/net")
+        mine = os.stat("/proc/self/ns/net").st_ino
+        return any(os.stat(os.path.join("/run/netns", name)).st_ino == mine for name in os.listdir("/run/netns"))
     except OSError:
         return False

@@ -213,6 +213,7 @@ class Peer:
                 break
             self.pending_rounds += 1
 
+            self.pending_tokens += self.synchronizer.take_recovered_tokens()
             sync_start = time.monotonic()
             budget = self.synchronizer.round_budget()
             result = self.synchronizer.sync(self.pending_tokens, budget, missed_rounds=self.pending_rounds - 1,

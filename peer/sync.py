@@ -21,9 +21,8 @@ import logging
 import statistics
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from hivemind.utils import get_dht_time
@@ -33,7 +32,8 @@ from compression.feedback import ErrorFeedback
 from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
-from peer.consensus import choose_state, peers_with_state
+from peer.consensus import choose_state, peers_behind, peers_with_state
+from peer.contributions import Contributions
 from peer.deadlines import Deadlines
 from peer.flat import FlatLayout
 from peer.inner import InnerTrainer
@@ -42,8 +42,8 @@ from peer.outer import GlobalState, merge_contributors, nesterov_step, state_has
 logger = logging.getLogger(__name__)
 
 NO_GROUP = "could not find a group"
+LOOKUP_TIMEOUT = 2.0  # seconds a look at the swarm's records may block training (a partition slows the DHT)
 MAX_MISSED = 3  # unmerged rounds in a row after which a quorum-1 peer applies its delta alone
-KEEP_CONTRIBUTIONS = 2  # own deltas remembered for re-contribution after losing a fork (model-sized each)
 
 
 def first_line(error: BaseException, limit: int = 200) -> str:
@@ -82,7 +82,8 @@ class Synchronizer:
         self.announced: dict = dict(ttl=60.0)
         self.step_seconds: Optional[float] = None
         self.merged_ours = False
-        self.contributions: Deque[Tuple[int, torch.Tensor]] = deque(maxlen=KEEP_CONTRIBUTIONS)
+        self.contributions = Contributions(self.feedback.codec, run.max_staleness)
+        self.recovered_tokens = 0  # tokens behind deltas carried over from a fork we left, not yet re-sent
 
     # ---- the swarm's view ----
     def my_record(self, **fields) -> PeerRecord:
@@ -91,7 +92,15 @@ class Synchronizer:
                           client_mode=self.client_mode, **fields)
 
     def refresh(self) -> Dict[str, PeerRecord]:
-        self.records = {pid: r for pid, r in fetch_records(self.dht, self.run_id).items() if pid != self.peer_id}
+        # a lookup may miss records that the DHT holds only on nodes it cannot reach now (a partition):
+        # records seen before stay known until they expire, as they would in the DHT
+        now = get_dht_time()
+        fetched = fetch_records(self.dht, self.run_id, timeout=LOOKUP_TIMEOUT) or {}
+        known = {pid: r for pid, r in self.records.items() if r.expires_at > now}
+        for pid, record in fetched.items():  # a node cut off for a while may return an older version
+            if pid != self.peer_id and (pid not in known or record.expires_at >= known[pid].expires_at):
+                known[pid] = record
+        self.records = known
         return self.records
 
     def announce(self, ttl: float, **fields) -> None:
@@ -160,9 +169,7 @@ class Synchronizer:
                 self.layout.scatter(params, self.trainer.params)
             else:
                 shift = params - self.state.params  # one temporary copy; freed when we return
-                for contributed_at, delta in self.contributions:
-                    if contributed_at > mine_merged:  # merged only in the lineage we are leaving
-                        shift.sub_(delta)
+                self.recovered_tokens += self.contributions.carry_into(shift, mine_merged)
                 self.layout.add_into(shift, self.trainer.params)
             self.contributions.clear()
             self.state.params, self.state.momentum = params, momentum
@@ -199,8 +206,14 @@ class Synchronizer:
             expected = 1 + len(peers_with_state(self.records.values(), self.my_record()))
             logger.debug(f"epoch {self.state.epoch} {self.state.hash()[:6]}: expecting a group of {expected}; "
                          f"records {[(r.peer_id[-4:], r.epoch, r.state_hash[:6]) for r in self.records.values()]}")
-            if expected == 1:  # nobody else holds our state: no one to wait for
-                self._apply_alone(tokens, result)
+            if expected == 1:  # nobody else holds our state: no one to average with now
+                behind = peers_behind(self.records.values(), self.my_record())
+                if behind and missed_rounds + 1 < MAX_MISSED:
+                    # they adopt our state at their next round (or their records are stale, as in a
+                    # partition): stepping alone now would fork the run; contribute with them next round
+                    result.error = f"the {len(behind)} other live peer(s) are behind us; contributing next round"
+                else:
+                    self._apply_alone(tokens, result)
                 break
             self.averager.prepare_round(self.state.epoch, self.state.hash(), max(2, self.run.quorum), expected,
                                         allreduce_timeout=self.deadlines.allreduce(),
@@ -230,6 +243,11 @@ class Synchronizer:
             self._apply(outcome, result)
             break
         return result
+
+    def take_recovered_tokens(self) -> int:
+        """Tokens of our work carried over from a losing fork: the caller adds them to its next contribution."""
+        tokens, self.recovered_tokens = self.recovered_tokens, 0
+        return tokens
 
     def round_budget(self) -> float:
         """The longest this round's sync may block us, retries included, at the current deadlines."""
@@ -300,7 +318,7 @@ class Synchronizer:
             if not torch.isfinite(self.delta).all():
                 result.error = "the averaged pseudo-gradient is not finite; not applied"
                 return
-            self.contributions.append((self.state.epoch, own_delta))
+            self.contributions.remember(self.state.epoch, own_delta, int(gathered[self.peer_id]["tokens"]))
             nesterov_step(self.state.params, self.state.momentum, self.delta, self.run.outer_lr,
                           self.run.outer_momentum)
             if outcome["aligned"]:

@@ -23,7 +23,7 @@ MADDR = re.compile(r"/ip4/\S+/p2p/\S+")
 # small and fast: a round is ~5 steps of 4x64 tokens on the tiny model
 FAST_RUN = ("--batch-size", "4", "--seq-len", "64", "--inner-steps", "5", "--grace-seconds", "2",
             "--eval-every", "2", "--eval-batches", "2", "--lr", "0.003", "--warmup-steps", "5")
-FAST_NODE = ("--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--quiet", "--threads", "1",
+FAST_NODE = ("--quiet", "--threads", "1",
              "--allreduce-timeout", "10", "--part-timeout", "3", "--request-timeout", "1")
 
 
@@ -49,12 +49,12 @@ def read_metrics(path: Path) -> List[dict]:
 class Proc:
     """A child process in its own session with stdout/stderr in files."""
 
-    def __init__(self, args: List[str], log_dir: Path, name: str):
-        self.name, self.args = name, args
+    def __init__(self, args: List[str], log_dir: Path, name: str, wrap: Callable[[List[str]], List[str]] = list):
+        self.name, self.args = name, wrap(args)
         self.stdout_path, self.stderr_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.popen = subprocess.Popen(args, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)
+            self.popen = subprocess.Popen(self.args, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)
 
     @property
     def stdout(self) -> str:
@@ -90,9 +90,9 @@ def peer_command(*args: str) -> List[str]:
 
 
 class PeerProc(Proc):
-    def __init__(self, args: List[str], log_dir: Path, name: str):
+    def __init__(self, args: List[str], log_dir: Path, name: str, wrap: Callable[[List[str]], List[str]] = list):
         self.metrics_path = log_dir / f"{name}.jsonl"
-        super().__init__(peer_command(*args, "--metrics-file", str(self.metrics_path)), log_dir, name)
+        super().__init__(peer_command(*args, "--metrics-file", str(self.metrics_path)), log_dir, name, wrap)
 
     @property
     def metrics(self) -> List[dict]:
@@ -108,11 +108,15 @@ class PeerProc(Proc):
 
 
 class Swarm:
-    """A bootstrap node plus the peers a test starts; ``close`` kills them all."""
+    """A bootstrap node plus the peers a test starts; ``close`` kills them all.
 
-    def __init__(self, log_dir: Path):
-        self.log_dir, self.procs = log_dir, []
-        self.bootstrap = self._track(Proc([sys.executable, "-m", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+    ``net`` (a ``docker.netns.TestNetwork``): the bootstrap listens on the network's host address, and
+    ``peer(..., namespace=i)`` runs a peer inside namespace i; without it, everything is on loopback."""
+
+    def __init__(self, log_dir: Path, net=None):
+        self.log_dir, self.procs, self.net = log_dir, [], net
+        self.host = net.host_ip if net is not None else "127.0.0.1"
+        self.bootstrap = self._track(Proc([sys.executable, "-m", "dht", "--host-maddrs", f"/ip4/{self.host}/tcp/0"],
                                           log_dir, "bootstrap"))
         self.maddr = wait_until(lambda: (MADDR.findall(self.bootstrap.stdout) or [None])[0], 60,
                                 "the bootstrap node's multiaddr")
@@ -121,9 +125,13 @@ class Swarm:
         self.procs.append(proc)
         return proc
 
-    def peer(self, name: str, *args: str, join: bool = True) -> PeerProc:
+    def peer(self, name: str, *args: str, join: bool = True, namespace: Optional[int] = None) -> PeerProc:
         extra = ["--initial-peers", self.maddr] if join else []
-        return self._track(PeerProc([*FAST_RUN, *FAST_NODE, *extra, *args], self.log_dir, name))
+        host, wrap = self.host, list
+        if namespace is not None:
+            host, wrap = self.net.ip(namespace), lambda argv: self.net.wrap(namespace, argv)
+        args = [*FAST_RUN, *FAST_NODE, "--host-maddrs", f"/ip4/{host}/tcp/0", *extra, *args]
+        return self._track(PeerProc(args, self.log_dir, name, wrap))
 
     def close(self) -> None:
         for proc in self.procs:

@@ -8,6 +8,7 @@ from dht.errors import UserError
 from dht.manifest import RunManifest, fetch_manifest, join_or_create, manifest_key, publish_manifest
 from dht.node import LOOPBACK, DHTConfig, start_dht
 from dht.records import PeerRecord, RecordPublisher, fetch_records
+from tests.swarm import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,12 @@ def test_records_replace_older_ones_and_are_read_by_others(two_nodes):
     for epoch in range(3):
         # the ttl shrinks, yet each new record must still replace the last one
         publisher.publish(PeerRecord("peer-1", epoch, f"h{epoch}", 10 * epoch, "m"), ttl=60 - 20 * epoch)
-    records = fetch_records(second, "run-e")
-    assert list(records) == ["peer-1"] and records["peer-1"].epoch == 2
+    # stores run in the background: wait for the last one to land
+    def newest():
+        records = fetch_records(second, "run-e") or {}
+        return "peer-1" in records and records["peer-1"].epoch == 2 and records
+
+    assert list(wait_until(newest, 10, "the newest record to reach the other node")) == ["peer-1"]
 
 
 def test_port_in_use_is_a_user_error():

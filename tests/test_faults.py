@@ -14,6 +14,7 @@ from typing import List
 import pytest
 import torch
 
+from docker import netns
 from tests.swarm import PeerProc, Swarm, assert_groups_agree, by_epoch, wait_until
 
 pytestmark = pytest.mark.slow
@@ -28,6 +29,18 @@ def swarm(tmp_path):
     swarm = Swarm(tmp_path)
     yield swarm
     swarm.close()
+
+
+@pytest.fixture
+def netns_swarm(tmp_path):
+    """A swarm on a namespace network: the victim in namespace 0, everyone else on the host's bridge."""
+    usable, reason = netns.available()
+    if not usable:
+        pytest.skip(reason)
+    with netns.TestNetwork(1) as net:
+        swarm = Swarm(tmp_path, net)
+        yield swarm
+        swarm.close()
 
 
 def struck(peer: PeerProc, kind: str, phase: str) -> bool:
@@ -64,13 +77,16 @@ def join_until(swarm: Swarm, done, name: str, attempts: int = 3) -> PeerProc:
     raise AssertionError(f"no download struck the donor in {attempts} joins")
 
 
-@pytest.mark.parametrize("kind, seconds", [("freeze", 5), ("slow", 6)])
-def test_freeze_or_slow_at_every_phase(swarm, tmp_path, kind, seconds):
-    """One victim frozen (SIGSTOP) or throttled to 1/4 speed at each phase in turn, then the donor phase."""
+@pytest.mark.parametrize("kind, seconds", [("freeze", 5), ("slow", 6), ("partition", 6)])
+def test_freeze_slow_or_partition_at_every_phase(request, tmp_path, kind, seconds):
+    """One victim frozen (SIGSTOP), throttled to 1/4 speed, or cut off the network (its namespace's link
+    down) at each phase in turn, the donor phase last."""
+    swarm = request.getfixturevalue("netns_swarm" if kind == "partition" else "swarm")
     plan = ",".join(f"{kind}@{phase}:{epoch}+{seconds}" for phase, epoch in
                     (("inner", 2), ("matchmaking", 4), ("send", 6), ("reduce", 8), ("checkpoint", 10), ("donor", 12)))
     survivors = [swarm.peer(f"p{i}") for i in range(2)]
-    victim = swarm.peer("victim", "--fault-plan", plan, "--checkpoint-dir", str(tmp_path / "victim"))
+    victim = swarm.peer("victim", "--fault-plan", plan, "--checkpoint-dir", str(tmp_path / "victim"),
+                        namespace=0 if kind == "partition" else None)
     for phase in PHASES[:-1]:
         wait_until(lambda: struck(victim, kind, phase) or not victim.alive(), 240, f"{kind} at {phase}")
         assert victim.alive(), victim.stderr[-3000:]
@@ -124,3 +140,58 @@ def test_kill_at_every_phase_and_resume(swarm, tmp_path):
         if peer not in incarnations:
             assert peer.wait(60) == 0, peer.stderr[-3000:]
     assert_invariants(survivors, everyone, min_rounds=10)
+
+
+def test_split_two_two_heals_to_one_state(tmp_path):
+    """4 peers split 2|2 for 3 rounds, then healed: one state hash within 2 rounds, both halves' tokens in.
+
+    Rounds here are ~25 steps (a few seconds), not the 5 of the other tests: after a heal, TCP's
+    retransmission backoff and the DHT take several seconds to reconnect the halves, which would be
+    many 1-second rounds but is a fraction of a real round (minutes)."""
+    usable, reason = netns.available()
+    if not usable:
+        pytest.skip(reason)
+    with netns.TestNetwork(4) as net:
+        swarm = Swarm(tmp_path, net)
+        try:
+            peers = [swarm.peer(f"p{i}", "--inner-steps", "25", namespace=i) for i in range(4)]
+            wait_until(lambda: all(any(r["group_size"] == 4 for r in p.metrics) for p in peers), 180,
+                       "a group of all 4")
+            split_at = [len(p.metrics) for p in peers]
+            net.partition([0, 1], [2, 3])
+            wait_until(lambda: all(len(p.metrics) >= n + 3 for p, n in zip(peers, split_at)), 180,
+                       "3 rounds in each half")
+            net.heal()
+            healed_at = [len(p.metrics) for p in peers]
+
+            def one_group():
+                last = [p.metrics[-1] for p in peers]
+                return len({r["state_hash"] for r in last}) == 1 and all(r["group_size"] == 4 for r in last)
+
+            wait_until(one_group, 180, "all 4 in one group again")
+            for peer in peers:
+                peer.signal(signal.SIGTERM)
+            for peer in peers:
+                assert peer.wait(60) == 0, peer.stderr[-3000:]
+        finally:
+            swarm.close()
+
+    halves = [set(), set()]
+    for index, (peer, start, end) in enumerate(zip(peers, split_at, healed_at)):
+        halves[index // 2] |= {r["state_hash"] for r in peer.metrics[start + 1: end]}
+    assert halves[0] and halves[1] and not halves[0] & halves[1], f"the halves did not train apart: {halves}"
+    # the first group of 4 after the heal: every peer reached it in at most the round in progress at the
+    # heal plus 2 more
+    rounds_to_merge = {}
+    for peer, n in zip(peers, healed_at):
+        after = peer.metrics[n:]
+        rounds_to_merge[peer.name] = next(i for i, r in enumerate(after) if r["group_size"] == 4) + 1
+    print(f"rounds after the heal until one group of 4: {rounds_to_merge}")
+    assert assert_groups_agree(peers) > 0
+    # every token trained before the heal, in either half, is merged into the final state
+    trained = sum(r["tokens"] for p, n in zip(peers, healed_at) for r in p.metrics[:n])
+    final = max(r["tokens_total"] for p in peers for r in p.metrics)
+    assert final >= trained, f"the final state merged {final} tokens of the {trained} trained before the heal"
+    for peer in peers:
+        losses = [r["loss"] for r in peer.metrics]
+        assert losses[-1] < losses[0] - 0.5, f"{peer.name}: loss did not fall: {losses}"

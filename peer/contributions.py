@@ -1,0 +1,45 @@
+"""A peer's own recent contributions, kept so that work merged only in a losing fork is not lost.
+
+When two groups fork the state (a partition, a split matchmaking), the fork choice picks one lineage
+and the peers of the other rebase onto it (DESIGN.md step 7). Their deltas were merged only in the
+lineage they leave, so each peer carries its own unmerged deltas, and the tokens behind them, into its
+next contribution. Deltas are kept as the wire codec encoded them (what the peer sent): two bytes
+per parameter with fp16, about half a byte with int4; at most ``keep`` of them (--max-staleness).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, List, Tuple
+
+import torch
+
+from compression import Codec
+from compression.feedback import CHUNK_VALUES
+
+
+class Contributions:
+    def __init__(self, codec: Codec, keep: int):
+        self.codec = codec
+        self.items: Deque[Tuple[int, List[bytes], int]] = deque(maxlen=max(keep, 1))
+
+    def remember(self, epoch: int, delta: torch.Tensor, tokens: int) -> None:
+        """Our ``delta`` (as sent) was merged into the outer step taken at ``epoch``."""
+        chunks = [self.codec.encode(delta[start: start + CHUNK_VALUES])
+                  for start in range(0, delta.numel(), CHUNK_VALUES)]
+        self.items.append((epoch, chunks, tokens))
+
+    def carry_into(self, shift: torch.Tensor, merged_epoch: int) -> int:
+        """Subtract from ``shift`` our deltas merged after ``merged_epoch`` (the last epoch at which the
+        lineage we move to merged one of ours); returns the tokens behind them."""
+        tokens = 0
+        for epoch, chunks, count in self.items:
+            if epoch > merged_epoch:
+                for index, chunk in enumerate(chunks):
+                    piece = shift[index * CHUNK_VALUES: (index + 1) * CHUNK_VALUES]
+                    piece.sub_(self.codec.decode(chunk, piece.numel()))
+                tokens += count
+        return tokens
+
+    def clear(self) -> None:
+        self.items.clear()
