@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import os
 import signal
 from dataclasses import dataclass
@@ -136,3 +137,20 @@ def visible_maddrs(dht: hivemind.DHT) -> list:
     """Addresses other peers can dial, best first (non-loopback before loopback)."""
     maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
     return sorted(set(maddrs), key=lambda m: ("/127.0.0.1/" in m or "/::1/" in m, m))
+
+
+async def _ping_peers(peer_ids: Tuple[str, ...], _dht, node) -> int:
+    pings = [node.protocol.call_ping(hivemind.PeerID.from_base58(peer_id)) for peer_id in peer_ids]
+    answers = await asyncio.gather(*pings, return_exceptions=True)
+    return sum(1 for answer in answers if answer is not None and not isinstance(answer, BaseException))
+
+
+def reach_out(dht: hivemind.DHT, peer_ids: Iterable[str]) -> None:
+    """Ping these peers in the background, putting each of us back into the other's routing table.
+
+    hivemind's DHT drops a node from its routing table when a request to it fails and never looks for it
+    again, so after a partition heals the halves stay apart until something else reconnects them (the
+    bootstrap node, if it sat in the other half, is forgotten too). A ping on each side fixes that."""
+    peer_ids = tuple(sorted(set(peer_ids)))
+    if peer_ids:
+        dht.run_coroutine(functools.partial(_ping_peers, peer_ids), return_future=True)

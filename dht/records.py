@@ -37,6 +37,7 @@ class PeerRecord:
     tokens_per_second: float = 0.0
     next_sync_at: Optional[float] = None  # DHT time this peer expects to start matchmaking
     round_seconds: Optional[float] = None  # length of its last round, compute plus sync
+    busy_until: Optional[float] = None  # DHT time its current sync may last until (set while syncing)
     client_mode: bool = False
     bytes_per_round: int = 0
     updated_at: float = 0.0

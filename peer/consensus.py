@@ -1,5 +1,6 @@
 """How a peer reads the swarm without a server: pure functions over the peers' DHT records.
 
+- responsiveness: a peer that passed its planned sync long ago without a word is not waited for;
 - fork choice: the state with the most tokens merged wins, then the lowest hash (DESIGN.md step 7);
   every peer that reads the same records picks the same winner;
 - the expected group: live peers that hold our exact state, so the matchmaking leader can close the
@@ -13,7 +14,22 @@ from __future__ import annotations
 import statistics
 from typing import Iterable, List, Optional
 
+from hivemind.utils import get_dht_time
+
 from dht.records import PeerRecord
+
+SILENCE_SLACK = 10.0  # seconds past its planned sync a peer may stay silent before others stop waiting for it
+
+
+def responsive(record: PeerRecord, now: float) -> bool:
+    """False for a peer that passed its planned sync (or the deadline of the sync it is in) by more than
+    one of its rounds (at least SILENCE_SLACK seconds) without publishing since: dead, frozen or cut off.
+    Its record lives on in the DHT until it expires, but nobody should wait for it, count it in a group,
+    or download from it."""
+    if not record.next_sync_at:
+        return True
+    quiet_until = max(record.next_sync_at, record.busy_until or 0.0)  # a peer in a long sync says so
+    return now < quiet_until + max(record.round_seconds or 0.0, SILENCE_SLACK)
 
 
 def live(records: Iterable[PeerRecord], manifest_hash: str) -> List[PeerRecord]:
@@ -38,9 +54,12 @@ def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord) -> List[Pe
             if r.peer_id != mine.peer_id and r.epoch == mine.epoch and r.state_hash == mine.state_hash]
 
 
-def peers_behind(records: Iterable[PeerRecord], mine: PeerRecord) -> List[PeerRecord]:
-    """Other live peers at an earlier epoch than ours: they will catch up with the swarm's best state."""
-    return [r for r in live(records, mine.manifest_hash) if r.peer_id != mine.peer_id and r.epoch < mine.epoch]
+def peers_behind(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[PeerRecord]:
+    """Other live, responsive peers at an earlier epoch than ours: they will catch up with the swarm's best
+    state (a dead or frozen one will not)."""
+    now = get_dht_time() if now is None else now
+    return [r for r in live(records, mine.manifest_hash)
+            if r.peer_id != mine.peer_id and r.epoch < mine.epoch and responsive(r, now)]
 
 
 def round_target(records: Iterable[PeerRecord], mine: PeerRecord, own_plan: Optional[float],

@@ -22,6 +22,7 @@ import torch
 
 from compression import get_codec
 from compression.feedback import ErrorFeedback
+from dht.addresses import parse_maddrs
 from dht.errors import UserError
 from dht.manifest import MANIFEST_TTL, RunManifest, join_or_create, publish_manifest
 from dht.node import DHTConfig, start_dht, visible_maddrs
@@ -109,6 +110,8 @@ class Peer:
             sync=self.sync_config, delta=self.delta, moment=self.moment, lock=self.lock,
             client_mode=net.client_mode, feedback=self.feedback,
             fault_hook=self.fault_plan.fire if self.fault_plan else None,
+            initial_peer_ids=tuple(m["p2p"] for m in parse_maddrs(net.initial_peers, flag="--initial-peers",
+                                                                   need_peer_id=True)),
         )
         self.clock = RoundClock(run, self.synchronizer, lambda next_sync_at: self._publish(next_sync_at=next_sync_at))
         if self.synchronizer.catch_up(timeout=60.0):

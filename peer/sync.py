@@ -29,10 +29,11 @@ from hivemind.utils import get_dht_time
 
 from compression import get_codec
 from compression.feedback import ErrorFeedback
+from dht.node import reach_out
 from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
-from peer.consensus import choose_state, peers_behind, peers_with_state
+from peer.consensus import choose_state, peers_behind, peers_with_state, responsive
 from peer.contributions import Contributions
 from peer.deadlines import Deadlines
 from peer.flat import FlatLayout
@@ -69,11 +70,11 @@ class Synchronizer:
                  state: GlobalState, trainer: InnerTrainer, layout: FlatLayout, run: RunConfig,
                  sync: SyncConfig, delta: torch.Tensor, moment: Optional[torch.Tensor], lock: threading.Lock,
                  client_mode: bool, feedback: Optional[ErrorFeedback] = None,
-                 fault_hook: Optional[Callable[[str, int], None]] = None):
+                 fault_hook: Optional[Callable[[str, int], None]] = None, initial_peer_ids: Tuple[str, ...] = ()):
         self.averager, self.dht, self.run_id, self.manifest_hash = averager, dht, run_id, manifest_hash
         self.peer_id, self.state, self.trainer, self.layout = peer_id, state, trainer, layout
         self.run, self.config, self.delta, self.moment, self.lock = run, sync, delta, moment, lock
-        self.client_mode, self.fault_hook = client_mode, fault_hook
+        self.client_mode, self.fault_hook, self.initial_peer_ids = client_mode, fault_hook, initial_peer_ids
         self.deadlines = Deadlines(ceiling=sync.allreduce_timeout, floor=sync.deadline_floor,
                                    factor=sync.deadline_factor, part_ceiling=sync.part_timeout)
         self.feedback = feedback or ErrorFeedback(get_codec("none"), 0)
@@ -190,6 +191,10 @@ class Synchronizer:
         """
         self.step_seconds = step_seconds
         result, deadline = SyncResult(), time.monotonic() + budget
+        syncing = dict(self.fields(), status="syncing", busy_until=get_dht_time() + budget)
+        self.announce(self.announced["ttl"], **syncing)  # silent until then, yet alive
+        silent = [pid for pid, r in self.records.items() if not responsive(r, get_dht_time())]
+        reach_out(self.dht, silent + list(self.initial_peer_ids))  # a healed partition reconnects at once
         result.rebased = self.catch_up(timeout=max(budget / 3, 5.0))
         if result.rebased:
             # The peers holding the state we just adopted sized their groups from records that showed us

@@ -1,7 +1,9 @@
 """Fork choice, expected groups and round targets over peer records; no DHT."""
 
+import dataclasses
+
 from dht.records import PeerRecord
-from peer.consensus import choose_state, peers_with_state, round_target
+from peer.consensus import SILENCE_SLACK, choose_state, peers_behind, peers_with_state, round_target
 
 
 def record(peer, epoch, state_hash, tokens, manifest="m", status="training", next_sync_at=None):
@@ -39,3 +41,13 @@ def test_round_target_is_the_median_of_future_plans():
     assert round_target(others, mine, own_plan=130.0, now=100.0) == 120.0  # c's plan is already past
     assert round_target(others, mine, own_plan=None, now=100.0) == 115.0
     assert round_target([], mine, own_plan=None, now=100.0) is None
+
+
+def test_a_peer_silent_long_past_its_planned_sync_is_not_waited_for():
+    mine = record("me", 3, "aa", 10)
+    quiet = [record("a", 3, "aa", 10, next_sync_at=100.0), record("b", 2, "bb", 5, next_sync_at=100.0)]
+    assert [r.peer_id for r in peers_behind(quiet, mine, now=105.0)] == ["b"]  # a little late: waited for
+    assert peers_behind(quiet, mine, now=100.0 + SILENCE_SLACK + 1) == []  # frozen, dead or cut off
+    busy = [record("b", 2, "bb", 5, next_sync_at=100.0)]
+    busy[0] = dataclasses.replace(busy[0], busy_until=200.0)  # in a long sync: alive
+    assert len(peers_behind(busy, mine, now=150.0)) == 1
