@@ -1,0 +1,311 @@
+"""Goodput of a local swarm under faults: tokens merged into the global state per second.
+
+    python -m bench.goodput --peers 4 --minutes 10 --out bench/results/goodput.md [-- extra peer flags]
+
+runs three schedules in turn, each on a fresh bootstrap node and N fresh ``python -m peer`` processes on
+loopback (the embedded default: tiny model, bundled Shakespeare, unless flags after ``--`` say otherwise),
+each peer in its own session so that one ``killpg`` reaches all of it (main process, averager, DHT, p2p
+daemon). The clock starts once every peer has finished its first round and runs for --minutes:
+
+- ``none``: no faults;
+- ``kill``: about every 2 rounds, SIGKILL a random live peer (``random.Random(0)``; one that has finished a
+  round since it last started, so not one still importing torch) and restart it one round later from the
+  same --checkpoint-dir (same peer id, resumes its epoch and catches up);
+- ``freeze``: every 3 rounds, SIGSTOP one peer (in turn) for 30 s, then SIGCONT; never two at once.
+
+A round is the swarm's measured median round: per peer, the median of its recent gaps between metrics
+records, then the median over peers, re-measured at every fault (``round_seconds``).
+
+Why goodput: what a run is for is tokens that reach the global state, and ``tokens_total`` (which every
+peer carries in its metrics records and which grows by a group's tokens at each outer step) counts exactly
+those. Its growth over the window, divided by the window's seconds, charges every cost of a fault at once:
+the tokens of a killed peer's unfinished round (trained, never merged), a frozen peer's 30 s of nothing,
+the survivors' extra sync time (a lost member fails an all-reduce, which is retried without it), and a
+restarted or thawed peer's catch-up. Tokens trained per second (``tokens`` of the rounds that ended in
+the window) is the other side: merged/trained below 1 means work that was done and thrown away (or is
+still waiting to be merged at the window's end). Everything is computed from the metrics files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import random
+import shlex
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from tests.swarm import MADDR, Proc, read_metrics, wait_until
+
+SCHEDULES = ("none", "kill", "freeze")
+KILL_EVERY, FREEZE_EVERY = 2, 3  # rounds
+FREEZE_SECONDS = 30.0
+POLL_SECONDS = 5.0  # longest sleep between looks at the peers, when no event is due sooner
+RECENT = 6  # records per peer that the round length is measured over
+STOP_SECONDS = 60.0
+
+
+@dataclass
+class Fault:
+    kind: str
+    peer: int
+    start: float
+    end: float  # restart or SIGCONT time (wall clock, like the metrics' ``time``)
+
+
+class Swarm:
+    """One schedule's bootstrap node and peers, addressed by index; a peer restarts under the same index,
+    checkpoint dir and metrics file, with fresh log files."""
+
+    def __init__(self, peers: int, log_dir: Path, run_id: str, peer_args: List[str]):
+        self.log_dir, self.procs, self.peers, self.starts = log_dir, [], [], [0] * peers
+        self.begun = [0] * peers  # records in each peer's metrics file when it last started
+        self.killed: List[Proc] = []
+        try:
+            bootstrap = self._track(Proc([sys.executable, "-m", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+                                         log_dir, "bootstrap"))
+            maddr = wait_until(lambda: (MADDR.findall(bootstrap.stdout) or [None])[0], 60, "the bootstrap node")
+            self.common = ["--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--quiet",
+                           "--threads", "1", "--run-id", run_id, *peer_args]
+            for i in range(peers):
+                self.start(i)
+        except BaseException:
+            self.close()
+            raise
+
+    def _track(self, proc: Proc) -> Proc:
+        self.procs.append(proc)
+        return proc
+
+    def metrics_path(self, i: int) -> Path:
+        return self.log_dir / f"peer{i}.jsonl"
+
+    def start(self, i: int) -> Proc:
+        name = f"peer{i}" if not self.starts[i] else f"peer{i}.restart{self.starts[i]}"
+        self.starts[i] += 1
+        self.begun[i] = len(read_metrics(self.metrics_path(i)))
+        args = [sys.executable, "-m", "peer", *self.common, "--checkpoint-dir", str(self.log_dir / f"peer{i}-ckpt"),
+                "--metrics-file", str(self.metrics_path(i))]
+        proc = self._track(Proc(args, self.log_dir, name))
+        if i < len(self.peers):
+            self.peers[i] = proc
+        else:
+            self.peers.append(proc)
+        return proc
+
+    def records(self) -> List[List[dict]]:
+        return [read_metrics(self.metrics_path(i)) for i in range(len(self.peers))]
+
+    def ready(self, i: int, records: List[List[dict]]) -> bool:
+        """Running, and finished a round since it (re)started: past its imports, in the swarm."""
+        return self.peers[i].alive() and len(records[i]) > self.begun[i]
+
+    def crashed(self) -> List[str]:
+        return [f"{p.name} (rc={p.popen.returncode})" for p in self.peers if not p.alive() and p not in self.killed]
+
+    def signal_group(self, i: int, sig: int) -> None:
+        try:
+            os.killpg(self.peers[i].popen.pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            self.peers[i].popen.wait()
+            self.killed.append(self.peers[i])
+
+    def close(self) -> Dict[str, Optional[int]]:
+        """SIGCONT then SIGTERM every live peer, wait up to a minute each, then killpg whatever is left.
+        Returns each peer's exit code (None: it had to be killed)."""
+        codes: Dict[str, Optional[int]] = {}
+        try:
+            live = [p for p in self.peers if p.alive()]
+            for proc in live:
+                try:
+                    os.killpg(proc.popen.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                proc.signal(signal.SIGTERM)
+            for proc in live:
+                try:
+                    codes[proc.name] = proc.wait(STOP_SECONDS)
+                except AssertionError:
+                    codes[proc.name] = None
+        finally:
+            for proc in self.procs:
+                proc.kill_group()
+        return codes
+
+
+def round_seconds(records: List[List[dict]]) -> float:
+    """The swarm's median round: per peer, the median gap between its recent records (at least the time since
+    its last record: a round that has lasted longer than usual so far is at least that long), then over peers.
+    So a swarm that stalls spaces its faults out instead of being hit faster than it can recover."""
+    per_peer, now = [], time.time()
+    for rows in filter(None, records):
+        times = [r["time"] for r in rows[-RECENT:]]
+        gaps = [b - a for a, b in zip(times, times[1:])] or [rows[-1]["compute_seconds"] + rows[-1]["sync_seconds"]]
+        per_peer.append(max(statistics.median(gaps), now - times[-1]))
+    return statistics.median(per_peer)
+
+
+def inject(schedule: str, swarm: Swarm, end: float, rng: random.Random) -> List[Fault]:
+    """Run the schedule's faults until ``end``; sleeps until the next event (at most POLL_SECONDS)."""
+    faults: List[Fault] = []
+    dead: Dict[int, float] = {}  # peer -> when to restart it
+    frozen: Optional[Fault] = None
+    every = {"kill": KILL_EVERY, "freeze": FREEZE_EVERY}.get(schedule)
+    next_fault = time.time() + every * round_seconds(swarm.records()) if every else float("inf")
+    while time.time() < end:
+        now = time.time()
+        for i, at in sorted(dead.items()):
+            if now >= at:
+                del dead[i]
+                swarm.start(i)
+        if frozen is not None and now >= frozen.end:
+            swarm.signal_group(frozen.peer, signal.SIGCONT)
+            frozen = None
+        if now >= next_fault:
+            records = swarm.records()
+            length = round_seconds(records)
+            ready = [i for i in range(len(swarm.peers)) if i not in dead and swarm.ready(i, records)]
+            if schedule == "kill" and not ready:
+                next_fault = now + length
+            elif schedule == "kill":
+                victim = rng.choice(ready)
+                swarm.signal_group(victim, signal.SIGKILL)
+                dead[victim] = now + length
+                faults.append(Fault("kill", victim, now, dead[victim]))
+                next_fault = now + KILL_EVERY * length
+            else:
+                frozen = Fault("freeze", len(faults) % len(swarm.peers), now, now + FREEZE_SECONDS)
+                swarm.signal_group(frozen.peer, signal.SIGSTOP)
+                faults.append(frozen)
+                next_fault = max(now + FREEZE_EVERY * length, frozen.end)
+        due = [end, next_fault, *dead.values(), *([frozen.end] if frozen else [])]
+        time.sleep(max(0.0, min(min(due) - time.time(), POLL_SECONDS)))
+    return faults
+
+
+def survivor(record: dict, peer: int, faults: List[Fault], records: List[dict]) -> bool:
+    """False for a record of a peer whose round overlapped its own fault: a frozen peer's round, or a killed
+    peer's first round after its restart (downloads and catch-up)."""
+    began = record["time"] - record["compute_seconds"] - record["sync_seconds"]
+    for fault in faults:
+        if fault.peer != peer:
+            continue
+        end = fault.end
+        if fault.kind == "kill":
+            end = min((r["time"] for r in records if r["time"] > fault.end), default=float("inf"))
+        if began < end and record["time"] > fault.start:
+            return False
+    return True
+
+
+def summarize(records: List[List[dict]], start: float, end: float, faults: List[Fault]) -> dict:
+    """The window's figures, from metrics records alone."""
+    before = [r for rows in records for r in rows if r["time"] <= start]
+    until = [r for rows in records for r in rows if r["time"] <= end]
+    inside = [(i, r) for i, rows in enumerate(records) for r in rows if start < r["time"] <= end]
+    seconds = end - start
+    merged = max(r["tokens_total"] for r in until) - max(r["tokens_total"] for r in before)
+    trained = sum(r["tokens"] for _, r in inside)
+    survivors = [r["sync_seconds"] for i, r in inside if survivor(r, i, faults, records[i])]
+    last = [[r for r in rows if r["time"] <= end][-1] for rows in records if any(r["time"] <= end for r in rows)]
+    losses = [r["loss"] for r in last if r["loss"] is not None]
+    return dict(
+        seconds=seconds, faults=len(faults), goodput=merged / seconds, trained=trained / seconds,
+        ratio=merged / trained if trained else float("nan"),
+        rounds=max(r["epoch"] for r in until) - max(r["epoch"] for r in before),
+        median_sync=statistics.median(r["sync_seconds"] for _, r in inside) if inside else float("nan"),
+        worst_sync=max(survivors, default=float("nan")),
+        loss=statistics.median(losses) if losses else float("nan"),
+        unapplied=[r.get("error") or "no group" for _, r in inside if not r["applied"]],
+    )
+
+
+def run_schedule(schedule: str, args, root: Path) -> dict:
+    log_dir = root / schedule
+    log_dir.mkdir()
+    swarm = Swarm(args.peers, log_dir, f"goodput-{schedule}", args.peer_args)
+    try:
+        def first_rounds():
+            for proc in swarm.peers:
+                if not proc.alive():
+                    raise SystemExit(f"{proc.name} exited (rc={proc.popen.returncode}):\n{proc.stderr[-2000:]}")
+            return all(swarm.records())
+        wait_until(first_rounds, 900, "every peer's first round", interval=1.0)
+        start = time.time()
+        end = start + args.minutes * 60
+        faults = inject(schedule, swarm, end, random.Random(0))
+        crashed = swarm.crashed()
+    finally:
+        codes = swarm.close()
+    stats = summarize(swarm.records(), start, end, faults)
+    stats.update(schedule=schedule, log_dir=log_dir, crashed=crashed, codes=codes,
+                 events=[f"{f.kind} peer{f.peer} at +{f.start - start:.0f}s ({f.end - f.start:.0f}s)" for f in faults])
+    return stats
+
+
+def table(results: List[dict]) -> str:
+    base = next((r["goodput"] for r in results if r["schedule"] == "none"), float("nan"))
+    lines = ["| schedule | faults | goodput tok/s | vs no faults | trained tok/s | merged/trained | rounds "
+             "| median sync s | worst survivor sync s | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['schedule']} | {r['faults']} | {r['goodput']:,.0f} | {r['goodput'] / base:.0%} | "
+                     f"{r['trained']:,.0f} | {r['ratio']:.2f} | {r['rounds']} | {r['median_sync']:.2f} | "
+                     f"{r['worst_sync']:.1f} | {r['loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def notes(results: List[dict]) -> str:
+    lines = []
+    for r in results:
+        why = "; ".join(f"{r['unapplied'].count(e)}x {e}" for e in sorted(set(r["unapplied"])))
+        codes = ", ".join(f"{name} {'killpg' if code is None else code}" for name, code in r["codes"].items())
+        lines.append(f"- {r['schedule']}: {r['seconds']:.0f} s window; faults: {', '.join(r['events']) or 'none'}; "
+                     f"rounds not applied: {len(r['unapplied'])}{f' ({why})' if why else ''}; exited unasked: "
+                     f"{', '.join(r['crashed']) or 'none'}; exit codes on SIGTERM: {codes}; logs: {r['log_dir']}")
+    return "\n".join(lines)
+
+
+def header(argv: List[str], peers: int) -> str:
+    command = shlex.join(["python", "-m", "bench.goodput", *argv])
+    return (f"# Goodput of a {peers}-peer swarm under faults\n\n"
+            f"Command ({os.cpu_count()} CPU threads, loopback, --threads 1 per peer):\n\n    {command}\n\n"
+            f"Measured {datetime.date.today().isoformat()}, torch {version('torch').split('+')[0]} CPU, "
+            f"hivemind {version('hivemind')}:\n\n")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--minutes", type=float, default=10.0, help="measured wall time per schedule")
+    parser.add_argument("--out", type=Path, help="also write the table, with how it was measured, here")
+    parser.add_argument("peer_args", nargs="*", help="extra flags for every peer (after --)")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERMed driver still cleans up
+    root = Path(tempfile.mkdtemp(prefix="goodput_"))
+    print(f"logs and metrics: {root}", flush=True)
+    results = []
+    for schedule in SCHEDULES:
+        results.append(run_schedule(schedule, args, root))
+        print(f"{schedule}: {results[-1]['goodput']:,.0f} tok/s merged, {results[-1]['faults']} faults", flush=True)
+    report = f"{table(results)}\n\n{notes(results)}\n"
+    print("\n" + report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(header(argv, args.peers) + report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
