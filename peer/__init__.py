@@ -8,12 +8,15 @@
 - ``inner.py``      the inner AdamW loop (warmup + cosine, clipping, accumulation, bf16 on GPU)
 - ``flat.py``       flat fp32 vectors for G, m, pseudo-gradients and moments
 - ``outer.py``      GlobalState, its hash, the FMA-free Nesterov outer step
-- ``consensus.py``  fork choice, expected group, the swarm's schedule (pure functions over records)
+- ``consensus.py``  fork choice, expected group, responsiveness, the swarm's schedule (over records)
 - ``sync.py``       one round's sync: catch up, average, apply
+- ``deadlines.py``  all-reduce deadlines that follow measured round times
+- ``contributions.py`` own recent deltas, re-contributed after losing a fork
 - ``schedule.py``   when a round ends: the group's agreed length, or the swarm's published plans
-- ``averager.py``   hivemind DecentralizedAverager subclass: round keys, exact all-reduce, state download
+- ``averager.py``   hivemind DecentralizedAverager subclass: round keys, exact all-reduce, sliced
+                    state download from several donors
 - ``allreduce.py``  the exact butterfly all-reduce (bit-identical results or a clean failure)
 - ``checkpoint.py`` atomic checkpoints
 - ``report.py``     progress bar, round summary, metrics JSON lines
-- ``faults.py``     fault plans for tests (kill at a phase of a round)
+- ``faults.py``     fault plans for tests: kill, freeze, slow, partition at six phases of a round
 """
