@@ -18,6 +18,7 @@ part on block boundaries, loses next to nothing more.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import numpy as np
 import torch
@@ -31,6 +32,14 @@ def _bnb_functional():
     import bitsandbytes.functional as functional
 
     return functional
+
+
+def _read_only_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor over the received bytes without copying them; only ever read (bitsandbytes' dequantizers
+    do not write their inputs), so torch's warning about a non-writable array does not apply."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.as_tensor(array)
 
 
 class BlockwiseCodec(Codec):
@@ -71,10 +80,10 @@ class BlockwiseCodec(Codec):
         if len(data) != expected:
             raise ValueError(f"{self.name}: got {len(data)} bytes for {numel} values, expected {expected}")
         blocks = self.blocks(numel)
-        absmax = np.frombuffer(data, dtype="<f4", count=blocks).astype(np.float32)
+        absmax = np.frombuffer(data, dtype="<f4", count=blocks).astype(np.float32, copy=False)
         codes = np.frombuffer(data, dtype=np.uint8, offset=4 * blocks)
         if self._kernel_is_exact():
-            return self._decode_kernel(torch.from_numpy(absmax), torch.from_numpy(codes.copy()), numel)
+            return self._decode_kernel(_read_only_tensor(absmax), _read_only_tensor(codes), numel)
         return self._decode_reference(absmax, codes, numel)
 
     def _decode_reference(self, absmax: np.ndarray, codes: np.ndarray, numel: int) -> torch.Tensor:
@@ -96,10 +105,10 @@ class BlockwiseCodec(Codec):
             probe[self.block: 2 * self.block] = 0.0
             data = self.encode(probe)
             blocks = self.blocks(probe.numel())
-            absmax = np.frombuffer(data, dtype="<f4", count=blocks).astype(np.float32)
+            absmax = np.frombuffer(data, dtype="<f4", count=blocks).astype(np.float32, copy=False)
             codes = np.frombuffer(data, dtype=np.uint8, offset=4 * blocks)
             try:
-                fast = self._decode_kernel(torch.from_numpy(absmax), torch.from_numpy(codes.copy()), probe.numel())
+                fast = self._decode_kernel(_read_only_tensor(absmax), _read_only_tensor(codes), probe.numel())
                 self._exact = torch.equal(fast, self._decode_reference(absmax, codes, probe.numel()))
             except Exception:  # an older or broken bitsandbytes build: the reference is always right
                 self._exact = False
