@@ -95,7 +95,10 @@ def test_lone_peer_learns_and_resumes_from_checkpoint(swarm, tmp_path):
     assert resumed.wait(180) == 0, resumed.stderr[-2000:]
     after = resumed.metrics
     assert after[0]["epoch"] == 7 and after[0]["peer_id"] == rounds[0]["peer_id"]
-    assert after[0]["loss"] < rounds[-1]["loss"] + 0.15, "the resumed peer lost its progress"
+    # the same held-out batches, evaluated on the global parameters: the level saved at epoch 6, kept
+    saved_eval, resumed_eval = rounds[-1]["eval_loss"], after[-1]["eval_loss"]
+    assert resumed_eval < saved_eval + 0.05, f"the resumed peer lost its progress: eval {saved_eval} -> {resumed_eval}"
+    assert after[0]["loss"] < rounds[0]["loss"] - 0.5, "the resumed peer trains like a fresh one"
     assert after[0]["tokens_total"] == rounds[-1]["tokens_total"] + after[0]["tokens"]
 
 
@@ -118,7 +121,7 @@ def test_quantized_rounds_shrink_the_wire_and_keep_states_identical(swarm):
     """3 peers, fp32 then int8 then int4: bytes measured at the transport, per peer and round."""
     sent = {}
     for codec in ("none", "int8", "int4"):
-        peers = [swarm.peer(f"{codec}-{i}", "--compression", codec, "--align-every", "0", "--max-rounds", "5",
+        peers = [swarm.peer(f"{codec}-{i}", "--compression", codec, "--align-every", "0", "--max-rounds", "8",
                             "--run-id", f"codec-{codec}") for i in range(3)]
         for peer in peers:
             assert peer.wait(240) == 0, peer.stderr[-3000:]
