@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from compression import get_codec
-from compression.feedback import ErrorFeedback
+from compression.feedback import ErrorFeedback, roundtrip
 from dht.addresses import parse_maddrs
 from dht.errors import UserError
 from dht.manifest import MANIFEST_TTL, RunManifest, join_or_create, publish_manifest
@@ -92,6 +92,10 @@ class Peer:
         self.delta = self.layout.empty(shared=True)
         self.moment = self.layout.empty(shared=True) if run.align_every else None
         codec = get_codec(run.compression)
+        # encode once now: the first use imports bitsandbytes and self-checks its decoder (seconds on a busy
+        # machine), which inside the first all-reduce would run past the part deadline; the averager
+        # process, forked below, inherits the warm codec
+        roundtrip(codec, torch.zeros(1 << 12))
         self.feedback = ErrorFeedback(codec, self.layout.numel, enabled=run.error_feedback)
         if payload is not None and self.feedback.residual is not None and payload.get("residual") is not None:
             self.feedback.residual.copy_(payload["residual"])
