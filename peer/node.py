@@ -161,8 +161,10 @@ class Peer:
         self.trainer.local_steps = int(payload["local_steps"])
         self.pending_tokens, self.pending_rounds = int(payload["pending_tokens"]), int(payload["pending_rounds"])
         self.rounds, self.last_loss = int(payload["rounds"]), payload.get("last_loss")
+        eval_loss = self.trainer.evaluate(self.eval_batches)  # the level we resume at, on the held-out split
         self.reporter.info(f"resumed from {self.node.checkpoint_dir}: epoch {self.state.epoch}, "
-                           f"loss {self.last_loss if self.last_loss is None else round(self.last_loss, 3)}")
+                           f"loss {self.last_loss if self.last_loss is None else round(self.last_loss, 3)}, "
+                           f"held-out eval {eval_loss:.6f}")
         return int(payload["data_position"])
 
     def _announce(self, num_params: int, device: torch.device) -> None:
