@@ -43,6 +43,7 @@ from peer.outer import GlobalState, merge_contributors, nesterov_step, state_has
 logger = logging.getLogger(__name__)
 
 NO_GROUP = "could not find a group"
+SETTLE_SECONDS, SETTLE_POLL = 2.0, 0.25  # how long a failed member looks for its group's finished state
 LOOKUP_TIMEOUT = 2.0  # seconds a look at the swarm's records may block training (a partition slows the DHT)
 MAX_MISSED = 3  # unmerged rounds in a row after which a quorum-1 peer applies its delta alone
 
@@ -229,9 +230,7 @@ class Synchronizer:
                 if NO_GROUP not in str(e):
                     result.error = f"all-reduce failed ({first_line(e)}); retrying with the survivors"
                     logger.warning(result.error)
-                    attempted = self.state.epoch
-                    if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0), attempted_epoch=attempted) \
-                            and self.merged_ours:
+                    if self._settle(deadline) and self.merged_ours:
                         result.applied, result.rebased = True, True
                         result.error = "our group finished without us, with our delta merged: adopted its state"
                         break
@@ -253,6 +252,20 @@ class Synchronizer:
         """Tokens of our work carried over from a losing fork: the caller adds them to its next contribution."""
         tokens, self.recovered_tokens = self.recovered_tokens, 0
         return tokens
+
+    def _settle(self, deadline: float) -> bool:
+        """After a failed attempt: did some groupmate finish it anyway? A lost reducer can fail the
+        all-reduce for us after the others received every part and applied it. Retrying at once would
+        average our delta a second time, into a different state (a fork). So first look, for up to
+        SETTLE_SECONDS, for a groupmate's new state (members publish it as soon as they apply) and adopt
+        it if it appears; True if we did."""
+        attempted, settle_until = self.state.epoch, min(deadline, time.monotonic() + SETTLE_SECONDS)
+        while True:
+            if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0), attempted_epoch=attempted):
+                return True
+            if time.monotonic() >= settle_until:
+                return False
+            time.sleep(SETTLE_POLL)
 
     def round_budget(self) -> float:
         """The longest this round's sync may block us, retries included, at the current deadlines."""
@@ -336,3 +349,4 @@ class Synchronizer:
         result.group = tuple(sorted(gathered))
         result.group_tokens = sum(int(info["tokens"]) for info in gathered.values())
         result.next_round_seconds = self._next_round_seconds(gathered)
+        self._republish()  # at once: a groupmate whose attempt failed late looks for this state (``_settle``)
