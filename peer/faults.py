@@ -20,8 +20,8 @@ Phases:
 - ``reduce``: after the peer, as a reducer, received a first part from a groupmate;
 - ``donor``: while the peer streams its state to a peer that downloads it;
 - ``checkpoint``: while writing a checkpoint: the temporary file is written, not yet renamed.
-Events for the first three and ``checkpoint`` fire in the peer's main process, the others in its
-averager process; each process keeps its own copy of the plan.
+Events at ``inner``, ``matchmaking`` and ``checkpoint`` fire in the peer's main process, those at ``send``,
+``reduce`` and ``donor`` in its averager process; each process keeps its own copy of the plan.
 """
 
 from __future__ import annotations
