@@ -34,6 +34,7 @@ import os
 import random
 import shlex
 import signal
+import socket
 import statistics
 import sys
 import tempfile
@@ -69,12 +70,13 @@ class Swarm:
         self.log_dir, self.procs, self.peers, self.starts = log_dir, [], [], [0] * peers
         self.begun = [0] * peers  # records in each peer's metrics file when it last started
         self.killed: List[Proc] = []
+        self.restarts = 0
         try:
             bootstrap = self._track(Proc([sys.executable, "-m", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
                                          log_dir, "bootstrap"))
             maddr = wait_until(lambda: (MADDR.findall(bootstrap.stdout) or [None])[0], 60, "the bootstrap node")
             self.common = ["--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--quiet",
-                           "--threads", "1", "--run-id", run_id, *peer_args]
+                           "--run-id", run_id, *peer_args]
             for i in range(peers):
                 self.start(i)
         except BaseException:
@@ -90,6 +92,7 @@ class Swarm:
 
     def start(self, i: int) -> Proc:
         name = f"peer{i}" if not self.starts[i] else f"peer{i}.restart{self.starts[i]}"
+        self.restarts += bool(self.starts[i])
         self.starts[i] += 1
         self.begun[i] = len(read_metrics(self.metrics_path(i)))
         args = [sys.executable, "-m", "peer", *self.common, "--checkpoint-dir", str(self.log_dir / f"peer{i}-ckpt"),
@@ -107,6 +110,9 @@ class Swarm:
     def ready(self, i: int, records: List[List[dict]]) -> bool:
         """Running, and finished a round since it (re)started: past its imports, in the swarm."""
         return self.peers[i].alive() and len(records[i]) > self.begun[i]
+
+    def tend(self) -> None:
+        """Between events: a swarm needs no tending; a peer that dies unasked stays dead (``crashed``)."""
 
     def crashed(self) -> List[str]:
         return [f"{p.name} (rc={p.popen.returncode})" for p in self.peers if not p.alive() and p not in self.killed]
@@ -143,6 +149,78 @@ class Swarm:
         return codes
 
 
+class SyncJob:
+    """The synchronous data-parallel baseline (``bench.sync_worker``): N gloo ranks, one job. A rank that
+    dies takes the job down; like torchelastic, the driver then stops every rank and relaunches all N at
+    once from the last checkpoint. That is generous to the baseline: the dead rank's replacement is there
+    at once, while a killed peer of the swarm returns only a round later."""
+
+    def __init__(self, ranks: int, log_dir: Path, worker_args: List[str]):
+        self.log_dir, self.worker_args, self.ranks = log_dir, worker_args, ranks
+        self.procs: List[Proc] = []
+        self.peers: List[Proc] = []
+        self.launches, self.begun, self.restarts = 0, 0, 0
+        self.crashes: List[str] = []
+        self.launch()
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.log_dir / "rank0.jsonl"
+
+    def launch(self) -> None:
+        for proc in self.peers:
+            proc.kill_group()
+        self.restarts += bool(self.launches)
+        self.launches += 1
+        self.begun = len(read_metrics(self.metrics_path))
+        port = free_port()
+        self.peers = []
+        for rank in range(self.ranks):
+            args = [sys.executable, "-m", "bench.sync_worker", "--rank", str(rank), "--world-size", str(self.ranks),
+                    "--port", str(port), "--checkpoint-dir", str(self.log_dir / "ckpt"),
+                    "--metrics-file", str(self.metrics_path), *self.worker_args]
+            self.peers.append(Proc(args, self.log_dir, f"rank{rank}.launch{self.launches}"))
+        self.procs.extend(self.peers)
+
+    def records(self) -> List[List[dict]]:
+        return [read_metrics(self.metrics_path)]
+
+    def ready(self, i: int, records: List[List[dict]]) -> bool:
+        return self.peers[i].alive() and len(records[0]) > self.begun
+
+    def tend(self) -> None:
+        """A rank that died unasked (a collective error, say) takes the job down: relaunch it."""
+        dead = [p for p in self.peers if not p.alive()]
+        if dead:
+            self.crashes.extend(f"{p.name} (rc={p.popen.returncode})" for p in dead)
+            self.launch()
+
+    def crashed(self) -> List[str]:
+        return self.crashes
+
+    def signal_group(self, i: int, sig: int) -> None:
+        try:
+            os.killpg(self.peers[i].popen.pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGKILL:
+            self.launch()
+
+    def start(self, i: int) -> None:
+        """The swarm restarts a killed peer a round later; the job was relaunched when the rank died."""
+
+    def close(self) -> Dict[str, Optional[int]]:
+        for proc in self.procs:
+            proc.kill_group()
+        return {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def round_seconds(records: List[List[dict]]) -> float:
     """The swarm's median round: per peer, the median gap between its recent records (at least the time since
     its last record: a round that has lasted longer than usual so far is at least that long), then over peers.
@@ -171,6 +249,7 @@ def inject(schedule: str, swarm: Swarm, end: float, rng: random.Random) -> List[
         if frozen is not None and now >= frozen.end:
             swarm.signal_group(frozen.peer, signal.SIGCONT)
             frozen = None
+        swarm.tend()
         if now >= next_fault:
             records = swarm.records()
             length = round_seconds(records)
@@ -230,38 +309,58 @@ def summarize(records: List[List[dict]], start: float, end: float, faults: List[
     )
 
 
-def run_schedule(schedule: str, args, root: Path) -> dict:
-    log_dir = root / schedule
-    log_dir.mkdir()
-    swarm = Swarm(args.peers, log_dir, f"goodput-{schedule}", args.peer_args)
+def shared_flags(args) -> List[str]:
+    """Flags both systems get: the same model, batch, H, threads and step pacing."""
+    flags = ["--threads", "1", "--min-step-seconds", str(args.min_step_seconds)]
+    for name in ("batch_size", "inner_steps"):
+        if getattr(args, name):
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return flags
+
+
+def run_schedule(system: str, schedule: str, args, root: Path) -> dict:
+    log_dir = root / system / schedule
+    log_dir.mkdir(parents=True)
+    if system == "swarm":
+        job = Swarm(args.peers, log_dir, f"goodput-{schedule}", [*shared_flags(args), *args.peer_args])
+    else:
+        job = SyncJob(args.peers, log_dir, shared_flags(args))
     try:
         def first_rounds():
-            for proc in swarm.peers:
+            for proc in job.peers:
                 if not proc.alive():
                     raise SystemExit(f"{proc.name} exited (rc={proc.popen.returncode}):\n{proc.stderr[-2000:]}")
-            return all(swarm.records())
+            return all(job.records())
         wait_until(first_rounds, 900, "every peer's first round", interval=1.0)
         start = time.time()
         end = start + args.minutes * 60
-        faults = inject(schedule, swarm, end, random.Random(0))
-        crashed = swarm.crashed()
+        faults = inject(schedule, job, end, random.Random(0))
+        crashed = job.crashed()
     finally:
-        codes = swarm.close()
-    stats = summarize(swarm.records(), start, end, faults)
-    stats.update(schedule=schedule, log_dir=log_dir, crashed=crashed, codes=codes,
-                 events=[f"{f.kind} peer{f.peer} at +{f.start - start:.0f}s ({f.end - f.start:.0f}s)" for f in faults])
+        codes = job.close()
+    stats = summarize(job.records(), start, end, faults)
+    name = "peer" if system == "swarm" else "rank"
+    stats.update(system=system, schedule=schedule, log_dir=log_dir, crashed=crashed, codes=codes,
+                 restarts=job.restarts, events=[f"{f.kind} {name}{f.peer} at +{f.start - start:.0f}s "
+                                                f"({f.end - f.start:.0f}s)" for f in faults])
     return stats
 
 
 def table(results: List[dict]) -> str:
-    base = next((r["goodput"] for r in results if r["schedule"] == "none"), float("nan"))
-    lines = ["| schedule | faults | goodput tok/s | vs no faults | trained tok/s | merged/trained | rounds "
-             "| median sync s | worst survivor sync s | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | schedule | faults | restarts | goodput tok/s | vs its no-fault run | vs swarm, no faults "
+             "| merged/trained | rounds | median sync s | worst survivor sync s | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    swarm_base = next((r["goodput"] for r in results if (r["system"], r["schedule"]) == ("swarm", "none")),
+                      float("nan"))
     for r in results:
-        lines.append(f"| {r['schedule']} | {r['faults']} | {r['goodput']:,.0f} | {r['goodput'] / base:.0%} | "
-                     f"{r['trained']:,.0f} | {r['ratio']:.2f} | {r['rounds']} | {r['median_sync']:.2f} | "
-                     f"{r['worst_sync']:.1f} | {r['loss']:.3f} |")
+        base = next((b["goodput"] for b in results if (b["system"], b["schedule"]) == (r["system"], "none")),
+                    float("nan"))
+        swarm = r["system"] == "swarm"
+        lines.append(f"| {r['system']} | {r['schedule']} | {r['faults']} | {r['restarts']} | {r['goodput']:,.0f} | "
+                     f"{r['goodput'] / base:.0%} | {r['goodput'] / swarm_base:.0%} | "
+                     f"{r['ratio']:.2f} | {r['rounds']} | " +
+                     (f"{r['median_sync']:.2f} | {r['worst_sync']:.1f}" if swarm else "- | -") +
+                     f" | {r['loss']:.3f} |")
     return "\n".join(lines)
 
 
@@ -270,16 +369,18 @@ def notes(results: List[dict]) -> str:
     for r in results:
         why = "; ".join(f"{r['unapplied'].count(e)}x {e}" for e in sorted(set(r["unapplied"])))
         codes = ", ".join(f"{name} {'killpg' if code is None else code}" for name, code in r["codes"].items())
-        lines.append(f"- {r['schedule']}: {r['seconds']:.0f} s window; faults: {', '.join(r['events']) or 'none'}; "
-                     f"rounds not applied: {len(r['unapplied'])}{f' ({why})' if why else ''}; exited unasked: "
-                     f"{', '.join(r['crashed']) or 'none'}; exit codes on SIGTERM: {codes}; logs: {r['log_dir']}")
+        lines.append(f"- {r['system']}, {r['schedule']}: {r['seconds']:.0f} s window; faults: "
+                     f"{', '.join(r['events']) or 'none'}; rounds not applied: {len(r['unapplied'])}"
+                     f"{f' ({why})' if why else ''}; exited unasked: {', '.join(r['crashed']) or 'none'}"
+                     + (f"; exit codes on SIGTERM: {codes}" if r["system"] == "swarm" else "")
+                     + f"; logs: {r['log_dir']}")
     return "\n".join(lines)
 
 
 def header(argv: List[str], peers: int) -> str:
     command = shlex.join(["python", "-m", "bench.goodput", *argv])
-    return (f"# Goodput of a {peers}-peer swarm under faults\n\n"
-            f"Command ({os.cpu_count()} CPU threads, loopback, --threads 1 per peer):\n\n    {command}\n\n"
+    return (f"# Goodput of a {peers}-peer swarm under faults, against synchronous data-parallel training\n\n"
+            f"Command ({os.cpu_count()} CPU threads, loopback, --threads 1 per process):\n\n    {command}\n\n"
             f"Measured {datetime.date.today().isoformat()}, torch {version('torch').split('+')[0]} CPU, "
             f"hivemind {version('hivemind')}:\n\n")
 
@@ -287,18 +388,30 @@ def header(argv: List[str], peers: int) -> str:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--peers", type=int, default=4, help="swarm peers, and ranks of the baseline")
     parser.add_argument("--minutes", type=float, default=10.0, help="measured wall time per schedule")
+    parser.add_argument("--systems", default="swarm,sync", help="comma-separated: swarm, sync (the baseline)")
+    parser.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma-separated, of {SCHEDULES}")
+    parser.add_argument("--min-step-seconds", type=float, default=1.5,
+                        help="every process pads its inner steps to this long, so that N processes sharing "
+                             "this machine's cores each train at one fixed pace, like N machines")
+    parser.add_argument("--batch-size", type=int, help="sequences per step per process (default: the preset's)")
+    parser.add_argument("--inner-steps", type=int, help="H, and the baseline's checkpoint interval in steps")
     parser.add_argument("--out", type=Path, help="also write the table, with how it was measured, here")
-    parser.add_argument("peer_args", nargs="*", help="extra flags for every peer (after --)")
+    parser.add_argument("peer_args", nargs="*", help="extra flags for every swarm peer (after --)")
     args = parser.parse_args(argv)
+    systems, schedules = args.systems.split(","), args.schedules.split(",")
+    if set(systems) - {"swarm", "sync"} or set(schedules) - set(SCHEDULES):
+        parser.error(f"--systems takes swarm and/or sync, --schedules some of {SCHEDULES}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERMed driver still cleans up
     root = Path(tempfile.mkdtemp(prefix="goodput_"))
     print(f"logs and metrics: {root}", flush=True)
     results = []
-    for schedule in SCHEDULES:
-        results.append(run_schedule(schedule, args, root))
-        print(f"{schedule}: {results[-1]['goodput']:,.0f} tok/s merged, {results[-1]['faults']} faults", flush=True)
+    for system in systems:
+        for schedule in schedules:
+            results.append(run_schedule(system, schedule, args, root))
+            print(f"{system}, {schedule}: {results[-1]['goodput']:,.0f} tok/s merged, {results[-1]['faults']} faults, "
+                  f"{results[-1]['restarts']} restarts", flush=True)
     report = f"{table(results)}\n\n{notes(results)}\n"
     print("\n" + report)
     if args.out:

@@ -98,6 +98,8 @@ class NodeConfig:
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
     micro_batch: int = opt(0, "sequences per forward pass; accumulates gradients up to --batch-size (0 = all)")
     threads: int = opt(0, "torch CPU threads (0 = torch's default)")
+    min_step_seconds: float = opt(0.0, "pad every inner step to at least this long: emulates a slower device, so "
+                                       "that a benchmark of many peers on one machine does not measure CPU sharing")
     quiet: bool = opt(False, "no progress bar: one summary line per round")
     verbose: bool = opt(False, "debug logs, hivemind's internals included")
     fault_plan: Optional[str] = opt(None, "test-only fault injection, e.g. kill@send:3 or freeze@inner:2+5 "
@@ -106,7 +108,7 @@ class NodeConfig:
     def __post_init__(self):
         if not self.run_id or any(c in self.run_id for c in ". /"):
             raise ValueError(f"run_id must be non-empty without '.', '/' or spaces, got {self.run_id!r}")
-        require_non_negative(self, "max_rounds", "micro_batch", "threads")
+        require_non_negative(self, "max_rounds", "micro_batch", "threads", "min_step_seconds")
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,10 @@ class InnerStats:
 
 
 class InnerTrainer:
-    def __init__(self, model: torch.nn.Module, run: RunConfig, device: torch.device, micro_batch: int = 0):
+    def __init__(self, model: torch.nn.Module, run: RunConfig, device: torch.device, micro_batch: int = 0,
+                 min_step_seconds: float = 0.0):
         self.model, self.run, self.device = model.to(device), run, device
+        self.min_step_seconds = min_step_seconds
         self.params: List[torch.nn.Parameter] = list(self.model.parameters())
         self.micro_batch = micro_batch or run.batch_size
         self.optimizer = torch.optim.AdamW(
@@ -57,6 +59,7 @@ class InnerTrainer:
         self.model.train()
         stats, losses, start = InnerStats(), [], time.monotonic()
         while stats.steps < max_steps and not should_stop(stats.steps):
+            step_start = time.monotonic()
             lr = self.lr_at(global_step + stats.steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -71,6 +74,7 @@ class InnerTrainer:
                 torch.nn.utils.clip_grad_norm_(self.params, self.run.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            time.sleep(max(0.0, step_start + self.min_step_seconds - time.monotonic()))
             self.local_steps += 1
             stats.steps += 1
             stats.tokens += batch.numel()

@@ -80,7 +80,7 @@ class Peer:
         device = torch.device(self.node.device if self.node.device != "auto"
                               else ("cuda" if torch.cuda.is_available() else "cpu"))
         model = build_model(run.model, tokenizer.vocab_size, run.seq_len, run.seed)
-        self.trainer = InnerTrainer(model, run, device, self.node.micro_batch)
+        self.trainer = InnerTrainer(model, run, device, self.node.micro_batch, self.node.min_step_seconds)
         self.layout = FlatLayout(self.trainer.params)
         params = self.layout.gather(self.trainer.params, self.layout.empty())
         self.state = GlobalState(params=params, momentum=self.layout.empty())
