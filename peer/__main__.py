@@ -2,11 +2,14 @@
 
     python -m peer                                      # start a new run alone on the bundled default
     python -m peer --initial-peers /ip4/.../p2p/...     # join a run: its settings come from the swarm
+    python -m peer status --initial-peers ...           # the swarm's peers, epochs, losses and forks
+    python -m peer plot METRICS.jsonl... -o loss.png    # loss, group size and bytes per round, per peer
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from typing import Optional, Sequence
@@ -42,6 +45,10 @@ def setup_logging(verbose: bool) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("status", "plot"):
+        command = importlib.import_module(f"peer.{argv[0]}")
+        return command.main(argv[1:])
     try:
         run_flags, node, sync, net = parse_args(argv)
     except (UserError, ValueError) as e:

@@ -56,6 +56,7 @@ class Peer:
         self.last_round_seconds: Optional[float] = None
         self.manifest_published_at = self.last_published = 0.0
         self.traffic_seen = (0, 0)  # transport bytes counted up to the end of the last round
+        self.last_bytes_sent = 0  # what the last round's all-reduce sent: in our record, for `peer status`
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -245,6 +246,7 @@ class Peer:
                 eval_loss = self.trainer.evaluate(self.eval_batches)
             result.rebased = result.rebased or clock.rebased
             traffic = self._round_traffic()
+            self.last_bytes_sent = traffic[0]
             self.reporter.round(self._metrics(stats, result, sync_seconds, stale, eval_loss, traffic))
             self._checkpoint()
         return 0
@@ -285,7 +287,7 @@ class Peer:
         self.last_published = time.monotonic()
         self.synchronizer.announce(
             self._record_ttl(), status=status, loss=self.last_loss, next_sync_at=next_sync_at,
-            round_seconds=self.last_round_seconds,
+            round_seconds=self.last_round_seconds, bytes_per_round=self.last_bytes_sent,
             tokens_per_second=self.run.batch_size * self.run.seq_len / self._pace() if self._pace() else 0.0,
         )
         if time.monotonic() - self.manifest_published_at > MANIFEST_TTL / 4:

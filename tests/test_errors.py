@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from tests.swarm import ROOT, Swarm, peer_command
+from tests.swarm import MADDR, ROOT, Proc, Swarm, peer_command, wait_until
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -57,5 +59,56 @@ def test_conflicting_model_is_refused(tmp_path):
         result = run_cli(*peer_command("--initial-peers", swarm.maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
                                        "--model", "small"))
         assert_one_line_error(result, "--model small conflicts with run 'diloco'", "model=tiny", "drop the flag")
+    finally:
+        swarm.close()
+
+
+@pytest.mark.slow
+def test_listen_address_not_on_this_machine():
+    result = run_cli(sys.executable, "-m", "dht", "--host-maddrs", "/ip4/10.255.255.1/tcp/0")
+    assert_one_line_error(result, "cannot listen on /ip4/10.255.255.1/tcp/0: that address is not on this machine")
+
+
+@pytest.mark.slow
+def test_identity_used_by_another_live_peer(tmp_path):
+    key = tmp_path / "bootstrap.key"
+    swarm = Swarm(tmp_path)
+    try:
+        first = Proc([sys.executable, "-m", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-path",
+                      str(key), "--initial-peers", swarm.maddr], tmp_path, "first")
+        wait_until(lambda: MADDR.findall(first.stdout), 60, "the first node")
+        result = run_cli(sys.executable, "-m", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-path",
+                         str(key), "--initial-peers", swarm.maddr)
+        assert_one_line_error(result, f"identity {key} is used by another live peer", "its own --identity-path")
+        first.kill_group()
+    finally:
+        swarm.close()
+
+
+@pytest.mark.slow
+def test_no_group_below_quorum_is_said_every_round(tmp_path):
+    swarm = Swarm(tmp_path)
+    try:
+        lone = swarm.peer("lone", "--quorum", "2", "--max-rounds", "1")
+        assert lone.wait(180) == 0, lone.stderr[-3000:]
+        [record] = lone.metrics
+        assert not record["applied"] and record["error"] == "no group of at least 2 peers formed"
+        assert "not applied: no group of at least 2 peers formed" in lone.stderr
+    finally:
+        swarm.close()
+
+
+@pytest.mark.slow
+def test_state_download_from_a_frozen_holder_gives_up_and_trains_on(tmp_path):
+    swarm = Swarm(tmp_path)
+    try:
+        holder = swarm.peer("holder")
+        holder.wait_rounds(2, timeout=180)
+        os.killpg(holder.popen.pid, signal.SIGSTOP)  # its record still says it holds epoch >= 2
+        joiner = swarm.peer("joiner")
+        message = "could not download the swarm's state from any holder; training on ours for now"
+        wait_until(lambda: message in joiner.stderr or not joiner.alive(), 120, "the joiner to give up the download")
+        assert message in joiner.stderr, joiner.stderr[-3000:]
+        joiner.wait_rounds(1, timeout=120)  # and it trains on
     finally:
         swarm.close()

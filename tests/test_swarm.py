@@ -103,6 +103,21 @@ def test_lone_peer_learns_and_resumes_from_checkpoint(swarm, tmp_path):
     assert after[0]["tokens_total"] == rounds[-1]["tokens_total"] + after[0]["tokens"]
 
 
+def test_unmerged_work_past_max_staleness_is_dropped_for_the_global_state(swarm, tmp_path):
+    """A peer whose work goes unmerged (here: alone below --quorum 2) for more than --max-staleness rounds
+    drops it and trains from the global state again, instead of drifting ever further from it."""
+    checkpoint = tmp_path / "ckpt"
+    lone = swarm.peer("lone", "--quorum", "2", "--max-staleness", "1", "--max-rounds", "2",
+                      "--checkpoint-dir", str(checkpoint), join=False)
+    assert lone.wait(180) == 0, lone.stderr[-2000:]
+    assert [(r["applied"], r["stale"], r["epoch"]) for r in lone.metrics] == [(False, 0, 0), (False, 1, 0)]
+    assert ("2 rounds of work went unmerged, past --max-staleness 1: dropping them and resyncing to the global "
+            "state") in lone.stderr
+    saved = torch.load(checkpoint / "state.pt", weights_only=True)
+    assert torch.equal(saved["theta"], saved["params"]), "the local model was not reset to the global state"
+    assert saved["pending_rounds"] == 0 and saved["pending_tokens"] == 0
+
+
 @pytest.mark.parametrize("stop", ["SIGTERM to the peer", "Ctrl+C to its process group"])
 def test_stop_checkpoints_and_exits_zero(swarm, tmp_path, stop):
     checkpoint = tmp_path / "ckpt"

@@ -1,0 +1,92 @@
+"""``python -m peer status`` and ``python -m peer plot`` against a live 3-peer swarm and its metrics files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.swarm import ROOT, Proc, Swarm, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    swarm = Swarm(tmp_path_factory.mktemp("status"))
+    try:
+        peers = [swarm.peer(f"p{i}") for i in range(3)]
+        for peer in peers:
+            peer.wait_rounds(2, timeout=180)
+        yield swarm, peers
+    finally:
+        swarm.close()
+
+
+def run_command(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "peer", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def agreeing(line: str, ids: set) -> bool:
+    """A --json snapshot in which the three peers are all listed at one epoch with one state hash."""
+    data = json.loads(line)
+    peers = {p["peer_id"]: p for p in data["peers"]}
+    return (set(peers) == ids and len({p["epoch"] for p in peers.values()}) == 1
+            and len({p["state_hash"] for p in peers.values()}) == 1 and not data["forks"])
+
+
+def test_status_lists_every_live_peer_with_agreeing_epochs_and_hashes(live, tmp_path):
+    swarm, peers = live
+    ids = {peer.metrics[0]["peer_id"] for peer in peers}
+    # --watch --json prints a snapshot per refresh; one taken while the group applies its outer step can
+    # catch a peer that has not republished yet, so wait for a snapshot in which all three agree
+    watcher = Proc([sys.executable, "-m", "peer", "status", "--initial-peers", swarm.maddr, "--json",
+                    "--watch", "1"], tmp_path, "watch")
+    try:
+        line = wait_until(lambda: next((line for line in watcher.stdout.splitlines() if line.endswith("}")
+                                        and agreeing(line, ids)), None), 90, "a status snapshot listing all 3 peers")
+    finally:
+        watcher.kill_group()
+    data = json.loads(line)
+    assert data["manifest"]["settings"]["model"] == "tiny" and data["run_id"] == "diloco"
+    for row in data["peers"]:
+        assert row["status"] in ("training", "syncing") and row["tokens_per_second"] > 0
+        assert row["last_seen_seconds"] < 60 and row["client_mode"] is False and row["bytes_per_round"] > 0
+
+    table = run_command("status", "--initial-peers", swarm.maddr)
+    assert table.returncode == 0, table.stderr
+    for peer_id in ids:
+        assert peer_id[-10:] in table.stdout, table.stdout
+    assert "run 'diloco': 3 live peers" in table.stdout and "tiny" in table.stdout, table.stdout
+
+
+def test_status_of_an_empty_swarm_says_so_in_one_line(live):
+    swarm, _ = live
+    result = run_command("status", "--initial-peers", swarm.maddr, "--run-id", "nobody")
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert result.returncode == 1
+    assert lines == [f"no live peers of run 'nobody' through {swarm.maddr}: the run has no manifest either: "
+                     f"check --run-id"], result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_plot_writes_a_png_from_real_metrics(live, tmp_path):
+    _, peers = live
+    out = tmp_path / "loss.png"
+    result = run_command("plot", *(str(peer.metrics_path) for peer in peers), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"wrote {out} (3 peers, "), result.stdout
+    import matplotlib.image
+
+    image = matplotlib.image.imread(out)
+    assert image.shape[0] >= 600 and image.shape[1] >= 1000
+    assert image[..., :3].std() > 0.05, "the plot is blank"
+
+    bad = tmp_path / "notes.jsonl"
+    bad.write_text("not json\n{}\n")
+    result = run_command("plot", str(bad), "-o", str(tmp_path / "x.png"))
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: {bad}:1 is not a JSON line; is this a --metrics-file?"), result.stderr
