@@ -101,6 +101,10 @@ class NodeConfig:
     min_step_seconds: float = opt(0.0, "pad every inner step to at least this long: emulates a slower device, so "
                                        "that a benchmark of many peers on one machine does not measure CPU sharing")
     quiet: bool = opt(False, "no progress bar: one summary line per round")
+    tensorboard: Optional[str] = opt(None, "also log every round's numbers to TensorBoard in this directory "
+                                           "(pip install tensorboard)")
+    wandb: Optional[str] = opt(None, "also log every round's numbers to this Weights & Biases project "
+                                     "(pip install wandb)")
     verbose: bool = opt(False, "debug logs, hivemind's internals included")
     fault_plan: Optional[str] = opt(None, "test-only fault injection, e.g. kill@send:3 or freeze@inner:2+5 "
                                           "(see peer/faults.py)")

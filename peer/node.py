@@ -38,6 +38,7 @@ from peer.outer import GlobalState
 from peer.report import Reporter
 from peer.schedule import RoundClock
 from peer.sync import Synchronizer, SyncResult
+from peer.trackers import Trackers
 
 logger = logging.getLogger(__name__)
 RECORD_TTL = 60.0  # seconds a peer record lives without a refresh (at least)
@@ -73,6 +74,9 @@ class Peer:
         self.peer_id = self.dht.peer_id.to_base58()
         self.manifest = self._resolve_manifest(payload)
         self.run = run = RunConfig.from_settings(dict(self.manifest.settings))
+        self.reporter.trackers = Trackers.from_flags(self.node.tensorboard, self.node.wandb,
+                                                     name=f"{self.node.run_id}-{self.peer_id[-8:]}",
+                                                     config=dict(self.manifest.settings, peer_id=self.peer_id))
 
         tokenizer = load_tokenizer(run.tokenizer)
         self.corpus = load_corpus(run.dataset, tokenizer, run.seq_len, run.eval_fraction, run.dataset_config,
@@ -325,6 +329,7 @@ class Peer:
                 self._publish(status="left")
             except Exception as e:  # the p2p daemon may already be gone (Ctrl+C reaches it too)
                 logger.debug(f"could not publish our departure: {e!r}")
+        self.reporter.close()
         for component in (self.averager, self.dht):
             if component is not None and component.is_alive():
                 component.shutdown()

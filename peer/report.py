@@ -14,6 +14,8 @@ from typing import Any, Dict, Optional
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from peer.trackers import Trackers
+
 
 def human_bytes(count: float) -> str:
     for unit in ("B", "kB", "MB", "GB"):
@@ -25,6 +27,7 @@ def human_bytes(count: float) -> str:
 
 class Reporter:
     def __init__(self, metrics_file: Optional[str], quiet: bool):
+        self.trackers = Trackers()  # TensorBoard / W&B, set once the run's settings are known
         self.console = Console(stderr=True, highlight=False)
         self.show_bar = not quiet and self.console.is_terminal
         self.metrics_file = metrics_file
@@ -73,6 +76,11 @@ class Reporter:
             with open(self.metrics_file, "a") as f:
                 f.write(json.dumps(_finite(record)) + "\n")
                 f.flush()
+        self.trackers.log(record)
+
+    def close(self) -> None:
+        self.end_round()
+        self.trackers.close()
 
 
 def _finite(record: Dict[str, Any]) -> Dict[str, Any]:

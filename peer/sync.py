@@ -222,8 +222,8 @@ class Synchronizer:
                     self._apply_alone(tokens, result)
                 break
             self.averager.prepare_round(self.state.epoch, self.state.hash(), max(2, self.run.quorum), expected,
-                                        allreduce_timeout=self.deadlines.allreduce(),
-                                        part_timeout=self.deadlines.part())
+                                        allreduce_timeout=self.deadlines.allreduce(1 + align),
+                                        part_timeout=self.deadlines.part(1 + align))
             try:
                 outcome = self._average(tokens, tokens * self.run.stale_discount ** missed_rounds, align, deadline)
             except Exception as e:  # AllreduceException, TimeoutError, or anything the averager process hit
@@ -243,7 +243,7 @@ class Synchronizer:
                 else:
                     result.error = f"no group formed with the {expected - 1} peer(s) at our state; retrying next round"
                 break
-            self.deadlines.observe(outcome.get("seconds", 0.0))
+            self.deadlines.observe(outcome.get("seconds", 0.0), size=1 + align)
             self._apply(outcome, result)
             break
         return result

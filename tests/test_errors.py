@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -112,3 +113,11 @@ def test_state_download_from_a_frozen_holder_gives_up_and_trains_on(tmp_path):
         joiner.wait_rounds(1, timeout=120)  # and it trains on
     finally:
         swarm.close()
+
+
+@pytest.mark.slow
+def test_tracker_that_is_not_installed_is_named(tmp_path):
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    result = run_cli(*peer_command("--wandb", "my-project", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"))
+    assert_one_line_error(result, "--wandb needs the wandb package: pip install wandb")

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 def live(tmp_path_factory):
     swarm = Swarm(tmp_path_factory.mktemp("status"))
     try:
-        peers = [swarm.peer(f"p{i}") for i in range(3)]
+        board = swarm.log_dir / "tensorboard"
+        peers = [swarm.peer(f"p{i}", *(["--tensorboard", str(board)] if i == 0 else [])) for i in range(3)]
         for peer in peers:
             peer.wait_rounds(2, timeout=180)
         yield swarm, peers
@@ -90,3 +91,16 @@ def test_plot_writes_a_png_from_real_metrics(live, tmp_path):
     result = run_command("plot", str(bad), "-o", str(tmp_path / "x.png"))
     assert result.returncode == 2 and result.stderr.strip() == (
         f"error: {bad}:1 is not a JSON line; is this a --metrics-file?"), result.stderr
+
+
+def test_tensorboard_gets_every_round_of_the_metrics_file(live):
+    swarm, peers = live
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    records = peers[0].metrics
+    events = EventAccumulator(str(swarm.log_dir / "tensorboard"))
+    events.Reload()
+    logged = {event.step: event.value for event in events.Scalars("peer/loss")}
+    for record in records:
+        assert logged.get(record["epoch"]) == pytest.approx(record["loss"], rel=1e-6), (logged, record)
+    assert {"peer/sync_seconds", "peer/bytes_sent", "peer/group_size"} <= set(events.Tags()["scalars"])
