@@ -4,28 +4,43 @@
 
 prints the multiaddrs to pass to peers as ``--initial-peers``, one per line, then serves until
 Ctrl+C or SIGTERM. With ``--identity-path`` the peer id, and so the address, survives restarts.
+``--maddr-file`` also writes them to a file (atomically), for scripts and containers that start
+peers once the bootstrap node is up.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from dht.cli import add_arguments, from_args
 from dht.errors import UserError
 from dht.node import DHTConfig, start_dht, visible_maddrs
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> DHTConfig:
+def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[DHTConfig, Optional[str]]:
     parser = argparse.ArgumentParser(prog="python -m dht", description=__doc__.split("\n\n")[0])
     add_arguments(parser, DHTConfig)
+    parser.add_argument("--maddr-file", help="also write the multiaddrs to this file once the node is up")
+    args = parser.parse_args(argv)
     try:
-        return from_args(DHTConfig, parser.parse_args(argv))
+        return from_args(DHTConfig, args), args.maddr_file
     except ValueError as e:
         raise UserError(str(e)) from None
+
+
+def write_atomically(path: str, text: str) -> None:
+    temporary = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(temporary, "w") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    except OSError as e:
+        raise UserError(f"--maddr-file {path}: cannot write it ({e.strerror})") from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -34,12 +49,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     dht = None
     try:
-        config = parse_args(argv)
+        config, maddr_file = parse_args(argv)
         dht = start_dht(config)
         # hivemind ignores SIGINT in the parent while it forks; take it back so Ctrl+C stops us cleanly
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-        for maddr in visible_maddrs(dht):
+        maddrs = visible_maddrs(dht)
+        for maddr in maddrs:
             print(maddr, flush=True)
+        if maddr_file:
+            write_atomically(maddr_file, "".join(f"{maddr}\n" for maddr in maddrs))
         print(f"bootstrap node {dht.peer_id} is up; pass one of the addresses above as --initial-peers",
               file=sys.stderr, flush=True)
         stop.wait()
