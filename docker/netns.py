@@ -1,6 +1,6 @@
 """A test network of Linux network namespaces, for machines without a docker engine (needs root).
 
-    python -m docker.netns --peers 4 [--rate-mbit 100]
+    python -m docker.netns --peers 4 [--rate-mbit 100] [--delay-ms 50] [--loss 0.01]
 
 creates one namespace per peer, prints each one's address and the command prefix that runs a process
 inside it, and the host address for a bootstrap node, then waits; Ctrl+C or SIGTERM removes it all.
@@ -9,10 +9,14 @@ Tests use ``TestNetwork`` directly to cut one peer off (``link_down``) or split 
 Layout: namespace i has ``eth0`` = 10.k.0.(i+1)/24 and ``lo``; the other end of its veth pair sits in
 the host namespace on one bridge, which holds 10.k.0.254/24 (``host_ip``), so a process on the host
 (a bootstrap node) is reachable from every namespace. k is a free subnet index in 100..199. With a
-rate, both directions of every veth are shaped with tbf.
+rate, both directions of every link are shaped with tbf.
 
-NOT BUILT YET: one-way delay and packet loss. This kernel has no netem, so they need a user-space TUN
-forwarder between a namespace and the bridge; today there are only rate limits, link cuts and partitions.
+Delay and loss: this kernel has no netem, so a namespace's link is then a pair of TAP devices (``eth0``
+inside, one on the bridge) joined by a user-space forwarder (``docker/forwarder.py``), one process per
+namespace. ``delay_ms`` is the one-way delay between two peers and ``loss`` the chance a packet between
+two peers is lost: each link holds half the delay and a loss of 1 - sqrt(1 - loss), each way, so a
+peer's packets cross two links to another peer (one to the host). The TAPs run at MTU 64000, so the
+forwarder copies few, large frames; link cuts, partitions and rates work as with veths.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import random
 import re
 import secrets
+import select
 import shlex
 import shutil
 import signal
@@ -34,6 +39,8 @@ PREFIX = "ddn"  # every namespace and interface name starts with it (Linux inter
 SUBNETS = range(100, 200)  # 10.k.0.0/24 for one of these k
 HOST_OCTET = 254
 LATENCY = "50ms"
+TAP_MTU = 64000
+READY_SECONDS = 30.0
 
 
 def _run(argv: list[str], check: bool = True) -> str:
@@ -89,12 +96,16 @@ class TestNetwork:
 
     __test__ = False  # a helper, not a pytest test class
 
-    def __init__(self, size: int, rate_mbit: float | None = None):
+    def __init__(self, size: int, rate_mbit: float | None = None, delay_ms: float = 0.0, loss: float = 0.0):
         if size < 1 or size >= HOST_OCTET:
             raise ValueError(f"size must be in 1..{HOST_OCTET - 1}, got {size}")
         if rate_mbit is not None and rate_mbit <= 0:
             raise ValueError(f"rate_mbit must be positive, got {rate_mbit}")
-        self.size, self.rate_mbit = size, rate_mbit
+        if delay_ms < 0 or not 0 <= loss < 1:
+            raise ValueError(f"delay_ms must be >= 0 and loss in [0, 1), got {delay_ms} and {loss}")
+        self.size, self.rate_mbit, self.delay_ms, self.loss = size, rate_mbit, delay_ms, loss
+        self.emulated = bool(delay_ms or loss)  # TAP devices and forwarders instead of veth pairs
+        self._forwarders: list[subprocess.Popen] = []
         self.tag = secrets.token_hex(2)
         self.subnet = _free_subnet()
         self.bridge = f"{PREFIX}{self.tag}br"
@@ -183,6 +194,10 @@ class TestNetwork:
         """Kill what still runs inside the namespaces, then delete namespaces, veths and bridges. Idempotent."""
         if self._closed:
             return
+        for forwarder in self._forwarders:
+            forwarder.kill()
+            forwarder.wait()
+        self._forwarders = []
         for ns in self._namespaces:  # a live process would keep its namespace alive, unnamed, after `netns del`
             for pid in _run(["ip", "netns", "pids", ns], check=False).split():
                 try:
@@ -204,7 +219,8 @@ class TestNetwork:
         return i
 
     def _veth(self, i: int) -> str:
-        """The host end of namespace ``i``'s veth pair (the other end is ``eth0`` inside the namespace)."""
+        """The host end of namespace ``i``'s link: a veth (whose other end is ``eth0`` inside the namespace),
+        or with delay or loss the TAP device on the bridge that its forwarder serves."""
         return f"{PREFIX}{self.tag}h{self._index(i)}"
 
     def _add_bridge(self, name: str) -> None:
@@ -222,13 +238,38 @@ class TestNetwork:
             ns, veth = self.namespace(i), self._veth(i)
             _run(["ip", "netns", "add", ns])
             self._namespaces.append(ns)
-            _run(["ip", "link", "add", "name", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+            if self.emulated:
+                _run(["ip", "tuntap", "add", "dev", veth, "mode", "tap"])
+                _run(["ip", "-n", ns, "tuntap", "add", "dev", "eth0", "mode", "tap"])
+                _run(["ip", "link", "set", veth, "mtu", str(TAP_MTU)])
+                _run(["ip", "-n", ns, "link", "set", "eth0", "mtu", str(TAP_MTU)])
+                self._start_forwarder(i)
+            else:
+                _run(["ip", "link", "add", "name", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
             _run(["ip", "link", "set", veth, "master", self.bridge, "up"])
             _run(["ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "eth0"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            # TCP windows up to 32 MB, as on hosts tuned for long fat links (a 1 Gbit/s, 100 ms path holds
+            # 12.5 MB in flight; the defaults, 4-6 MB, would cap it near 300 Mbit/s)
+            for name, value in (("tcp_rmem", "4096 131072 33554432"), ("tcp_wmem", "4096 16384 33554432")):
+                _run(["ip", "netns", "exec", ns, "sh", "-c", f"echo '{value}' > /proc/sys/net/ipv4/{name}"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             if self.rate_mbit is not None:
                 self._shape(i)
+
+    def _start_forwarder(self, i: int) -> None:
+        """Join namespace ``i``'s two TAP devices with a forwarder holding half the delay and loss each way."""
+        link_loss = 1 - (1 - self.loss) ** 0.5
+        forwarder = subprocess.Popen(
+            [sys.executable, "-m", "docker.forwarder", "--host-tap", self._veth(i), "--namespace", self.namespace(i),
+             "--delay-ms", f"{self.delay_ms / 2:g}", "--loss", f"{link_loss:.6g}", "--seed", str(i)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
+        self._forwarders.append(forwarder)
+        ready, _, _ = select.select([forwarder.stdout], [], [], READY_SECONDS)
+        if not ready or forwarder.stdout.readline().strip() != b"ready":
+            forwarder.kill()
+            raise RuntimeError(f"the forwarder of {self.namespace(i)} did not start: "
+                               f"{forwarder.stderr.read().decode(errors='replace').strip()[-500:]}")
 
     def _shape(self, i: int) -> None:
         """tbf at ``rate_mbit`` on both ends of namespace ``i``'s veth: each shapes what it sends."""
@@ -246,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m docker.netns", description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, default=4, help="namespaces to create, one per peer (default 4)")
     parser.add_argument("--rate-mbit", type=float, default=None, help="shape each peer's link, each way (Mbit/s)")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay between two peers (ms)")
+    parser.add_argument("--loss", type=float, default=0.0, help="chance a packet between two peers is lost")
     args = parser.parse_args(argv)
     ok, reason = available()
     if not ok:
@@ -255,13 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, signal.default_int_handler)
     net = None
     try:
-        net = TestNetwork(args.peers, args.rate_mbit)
+        net = TestNetwork(args.peers, args.rate_mbit, args.delay_ms, args.loss)
         python = sys.executable  # the interpreter that has this project installed, also under sudo
         lines = [f"bootstrap {net.host_ip} {python} -m dht --host-maddrs /ip4/{net.host_ip}/tcp/0"]
         for i in range(net.size):
             command = net.wrap(i, [python, "-m", "peer", "--host-maddrs", f"/ip4/{net.ip(i)}/tcp/31337"])
             lines.append(f"{net.namespace(i)} {net.ip(i)} {shlex.join(command)} --initial-peers <bootstrap multiaddr>")
         shaped = f"{args.rate_mbit:g} Mbit/s each way per peer" if args.rate_mbit else "no rate limit"
+        if net.emulated:
+            shaped += f", {args.delay_ms:g} ms one way and {args.loss:g} loss between two peers"
         lines.append(f"{shaped}; Ctrl+C or SIGTERM removes the network")
         print("\n".join(lines), flush=True)
         while True:

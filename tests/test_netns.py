@@ -159,3 +159,78 @@ def test_rate_limit(procs):
         seconds = send(network, 0, start_server(network, procs, 1), size=size, timeout=15)
         assert seconds is not None, f"transfer failed after {time.monotonic() - start:.1f} s"
         assert size * 8 / seconds / 1e6 < 60  # unshaped, veth moves this in a few ms
+
+
+# connects N times in a row; prints the fastest handshake (one round trip) in seconds
+HANDSHAKE = """
+import socket, sys, time
+host, port, times = sys.argv[1], int(sys.argv[2]), []
+for _ in range(int(sys.argv[3])):
+    start = time.monotonic()
+    socket.create_connection((host, port), timeout=10).close()
+    times.append(time.monotonic() - start)
+print(min(times))
+"""
+
+# counts UDP datagrams until none arrives for a second
+UDP_SINK = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], 0))
+print(s.getsockname()[1], flush=True)
+s.settimeout(None)
+s.recv(64)
+count = 1
+s.settimeout(1.0)
+try:
+    while True:
+        s.recv(64)
+        count += 1
+except socket.timeout:
+    print(count, flush=True)
+"""
+
+
+def test_delay_is_one_way_between_two_peers_and_halved_to_the_host(procs):
+    with TestNetwork(2, delay_ms=40) as network:
+        for where, expected in ((1, 0.080), (None, 0.040)):  # namespace to namespace: 2 x 40 ms; to the host: half
+            host, port = start_server(network, procs, where)
+            argv = network.wrap(0, [sys.executable, "-c", HANDSHAKE, host, str(port), "5"])
+            rtt = float(subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout)
+            assert expected <= rtt < expected + 0.02, f"round trip {rtt * 1000:.1f} ms, expected {expected * 1000:.0f}"
+
+
+def test_loss_drops_that_share_of_packets_between_two_peers(procs):
+    loss, count = 0.2, 2000
+    with TestNetwork(2, loss=loss) as network:
+        assert send(network, 0, start_server(network, procs, 1), timeout=10) is not None  # ARP settled (TCP retries)
+        sink = subprocess.Popen(network.wrap(1, [sys.executable, "-c", UDP_SINK, network.ip(1)]),
+                                stdout=subprocess.PIPE, text=True)
+        procs.append(sink)
+        port = int(sink.stdout.readline())
+        sender = (f"import socket, time\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                  f"for _ in range({count}):\n"
+                  f"    s.sendto(b'x', ('{network.ip(1)}', {port}))\n    time.sleep(0.0005)\n")  # paced: no queue drops
+        subprocess.run(network.wrap(0, [sys.executable, "-c", sender]), check=True, timeout=60)
+        received = int(sink.stdout.readline())
+        # binomial: mean count x (1 - loss) = 1600, standard deviation ~18
+        assert abs(received - count * (1 - loss)) < 90, f"{received} of {count} datagrams arrived"
+
+
+@pytest.mark.slow
+def test_three_peers_over_a_slow_far_network_agree(tmp_path):
+    """3 peers, each in its own namespace: 50 ms one way between two peers, 100 Mbit/s links."""
+    from tests.swarm import Swarm, assert_groups_agree, by_epoch
+
+    with TestNetwork(3, rate_mbit=100, delay_ms=50) as network:
+        swarm = Swarm(tmp_path, network)
+        try:
+            peers = [swarm.peer(f"p{i}", "--max-rounds", "5", namespace=i) for i in range(3)]
+            for peer in peers:
+                assert peer.wait(300) == 0, peer.stderr[-3000:]
+        finally:
+            swarm.close()
+    assert assert_groups_agree(peers) >= 3 * 3
+    full = [epoch for epoch, records in by_epoch(peers).items()
+            if len(records) == 3 and len({r["state_hash"] for r in records.values()}) == 1]
+    assert len(full) >= 3, f"fewer than 3 rounds in which all 3 peers applied one state: {sorted(full)}"
