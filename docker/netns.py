@@ -1,6 +1,6 @@
 """A test network of Linux network namespaces, for machines without a docker engine (needs root).
 
-    python -m docker.netns --peers 4 [--rate-mbit 100] [--delay-ms 50] [--loss 0.01]
+    python -m docker.netns --peers 4 [--rate-mbit 100] [--delay-ms 50] [--loss 0.01] [--behind-nat 3]
 
 creates one namespace per peer, prints each one's address and the command prefix that runs a process
 inside it, and the host address for a bootstrap node, then waits; Ctrl+C or SIGTERM removes it all.
@@ -96,7 +96,8 @@ class TestNetwork:
 
     __test__ = False  # a helper, not a pytest test class
 
-    def __init__(self, size: int, rate_mbit: float | None = None, delay_ms: float = 0.0, loss: float = 0.0):
+    def __init__(self, size: int, rate_mbit: float | None = None, delay_ms: float = 0.0, loss: float = 0.0,
+                 behind_nat: tuple[int, ...] = ()):
         if size < 1 or size >= HOST_OCTET:
             raise ValueError(f"size must be in 1..{HOST_OCTET - 1}, got {size}")
         if rate_mbit is not None and rate_mbit <= 0:
@@ -105,6 +106,7 @@ class TestNetwork:
             raise ValueError(f"delay_ms must be >= 0 and loss in [0, 1), got {delay_ms} and {loss}")
         self.size, self.rate_mbit, self.delay_ms, self.loss = size, rate_mbit, delay_ms, loss
         self.emulated = bool(delay_ms or loss)  # TAP devices and forwarders instead of veth pairs
+        self.behind_nat = frozenset(self._index(i) for i in behind_nat)
         self._forwarders: list[subprocess.Popen] = []
         self.tag = secrets.token_hex(2)
         self.subnet = _free_subnet()
@@ -127,7 +129,13 @@ class TestNetwork:
         self.close()
 
     def ip(self, i: int) -> str:
-        """The address of namespace ``i`` (on its ``eth0``)."""
+        """The address of namespace ``i`` (on its ``eth0``); behind NAT, a private one nobody outside can dial."""
+        if self._index(i) in self.behind_nat:
+            return f"192.168.{i + 1}.2"
+        return self.public_ip(i)
+
+    def public_ip(self, i: int) -> str:
+        """Where namespace ``i``'s traffic comes from on the bridge: its own address, or its NAT router's."""
         return f"10.{self.subnet}.0.{self._index(i) + 1}"
 
     @property
@@ -136,7 +144,11 @@ class TestNetwork:
         return f"10.{self.subnet}.0.{HOST_OCTET}"
 
     def namespace(self, i: int) -> str:
-        """The name of namespace ``i``, as ``ip netns`` knows it."""
+        """The name of namespace ``i`` (where its processes run), as ``ip netns`` knows it."""
+        return self._edge(i) + ("h" if self._index(i) in self.behind_nat else "")
+
+    def _edge(self, i: int) -> str:
+        """The namespace on the bridge for ``i``: ``i`` itself, or its NAT router (home namespace ``<edge>h``)."""
         return f"{PREFIX}-{self.tag}-{self._index(i)}"
 
     def wrap(self, i: int, argv: list[str]) -> list[str]:
@@ -204,8 +216,9 @@ class TestNetwork:
                     os.kill(int(pid), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        for i, ns in enumerate(self._namespaces):
+        for i in range(self.size):
             _run(["ip", "link", "del", self._veth(i)], check=False)  # deletes both ends, synchronously
+        for ns in self._namespaces:
             _run(["ip", "netns", "del", ns], check=False)
         for bridge in self._bridges:
             _run(["ip", "link", "del", bridge], check=False)
@@ -235,7 +248,7 @@ class TestNetwork:
         self._add_bridge(self.bridge)
         _run(["ip", "addr", "add", f"{self.host_ip}/24", "dev", self.bridge])
         for i in range(self.size):
-            ns, veth = self.namespace(i), self._veth(i)
+            ns, veth = self._edge(i), self._veth(i)
             _run(["ip", "netns", "add", ns])
             self._namespaces.append(ns)
             if self.emulated:
@@ -247,7 +260,7 @@ class TestNetwork:
             else:
                 _run(["ip", "link", "add", "name", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
             _run(["ip", "link", "set", veth, "master", self.bridge, "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", "eth0"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.public_ip(i)}/24", "dev", "eth0"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             # TCP windows up to 32 MB, as on hosts tuned for long fat links (a 1 Gbit/s, 100 ms path holds
             # 12.5 MB in flight; the defaults, 4-6 MB, would cap it near 300 Mbit/s)
@@ -256,12 +269,36 @@ class TestNetwork:
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             if self.rate_mbit is not None:
                 self._shape(i)
+            if i in self.behind_nat:
+                self._add_home(i)
+
+    def _add_home(self, i: int) -> None:
+        """Put namespace ``i`` behind a NAT router, the way a home machine sits behind its router.
+
+        The edge namespace becomes the router: it forwards and masquerades what the home namespace sends
+        out of its ``eth0``, and lets in only replies (conntrack). Nothing outside can open a connection
+        to the home namespace: it has a private address that no one has a route to.
+        """
+        router, home = self._edge(i), self.namespace(i)
+        _run(["ip", "netns", "add", home])
+        self._namespaces.append(home)
+        _run(["ip", "-n", router, "link", "add", "name", "lan0", "type", "veth", "peer", "name", "eth0",
+              "netns", home])
+        _run(["ip", "-n", router, "addr", "add", f"192.168.{i + 1}.1/24", "dev", "lan0"])
+        _run(["ip", "-n", router, "link", "set", "lan0", "up"])
+        _run(["ip", "-n", home, "addr", "add", f"{self.ip(i)}/24", "dev", "eth0"])
+        _run(["ip", "-n", home, "link", "set", "lo", "up"])
+        _run(["ip", "-n", home, "link", "set", "eth0", "up"])
+        _run(["ip", "-n", home, "route", "add", "default", "via", f"192.168.{i + 1}.1"])
+        _run(["ip", "netns", "exec", router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward"])
+        _run(["ip", "netns", "exec", router, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", "eth0",
+              "-j", "MASQUERADE"])
 
     def _start_forwarder(self, i: int) -> None:
         """Join namespace ``i``'s two TAP devices with a forwarder holding half the delay and loss each way."""
         link_loss = 1 - (1 - self.loss) ** 0.5
         forwarder = subprocess.Popen(
-            [sys.executable, "-m", "docker.forwarder", "--host-tap", self._veth(i), "--namespace", self.namespace(i),
+            [sys.executable, "-m", "docker.forwarder", "--host-tap", self._veth(i), "--namespace", self._edge(i),
              "--delay-ms", f"{self.delay_ms / 2:g}", "--loss", f"{link_loss:.6g}", "--seed", str(i)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(__file__)))
         self._forwarders.append(forwarder)
@@ -280,7 +317,7 @@ class TestNetwork:
         burst = max(64 * 1024, int(self.rate_mbit * 1e6 / 8 / 1000))
         tbf = ["root", "tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(burst), "latency", LATENCY]
         _run(["tc", "qdisc", "add", "dev", self._veth(i), *tbf])  # bridge -> namespace
-        _run(["tc", "-n", self.namespace(i), "qdisc", "add", "dev", "eth0", *tbf])  # namespace -> bridge
+        _run(["tc", "-n", self._edge(i), "qdisc", "add", "dev", "eth0", *tbf])  # namespace -> bridge
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-mbit", type=float, default=None, help="shape each peer's link, each way (Mbit/s)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay between two peers (ms)")
     parser.add_argument("--loss", type=float, default=0.0, help="chance a packet between two peers is lost")
+    parser.add_argument("--behind-nat", type=int, nargs="*", default=(), metavar="I",
+                        help="put these namespaces behind a NAT router (their peers need --client-mode)")
     args = parser.parse_args(argv)
     ok, reason = available()
     if not ok:
@@ -298,11 +337,12 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, signal.default_int_handler)
     net = None
     try:
-        net = TestNetwork(args.peers, args.rate_mbit, args.delay_ms, args.loss)
+        net = TestNetwork(args.peers, args.rate_mbit, args.delay_ms, args.loss, tuple(args.behind_nat))
         python = sys.executable  # the interpreter that has this project installed, also under sudo
         lines = [f"bootstrap {net.host_ip} {python} -m dht --host-maddrs /ip4/{net.host_ip}/tcp/0"]
         for i in range(net.size):
-            command = net.wrap(i, [python, "-m", "peer", "--host-maddrs", f"/ip4/{net.ip(i)}/tcp/31337"])
+            nat = ["--client-mode"] if i in net.behind_nat else []
+            command = net.wrap(i, [python, "-m", "peer", "--host-maddrs", f"/ip4/{net.ip(i)}/tcp/31337", *nat])
             lines.append(f"{net.namespace(i)} {net.ip(i)} {shlex.join(command)} --initial-peers <bootstrap multiaddr>")
         shaped = f"{args.rate_mbit:g} Mbit/s each way per peer" if args.rate_mbit else "no rate limit"
         if net.emulated:

@@ -234,3 +234,35 @@ def test_three_peers_over_a_slow_far_network_agree(tmp_path):
     full = [epoch for epoch, records in by_epoch(peers).items()
             if len(records) == 3 and len({r["state_hash"] for r in records.values()}) == 1]
     assert len(full) >= 3, f"fewer than 3 rounds in which all 3 peers applied one state: {sorted(full)}"
+
+
+def test_a_namespace_behind_nat_dials_out_but_cannot_be_dialled(procs):
+    with TestNetwork(2, behind_nat=(1,)) as network:
+        assert network.ip(1) != network.public_ip(1)
+        outside, home = start_server(network, procs, 0), start_server(network, procs, 1)
+        assert send(network, 1, outside) is not None  # out through the router (masquerade)
+        assert send(network, 1, start_server(network, procs, None)) is not None  # and to the host
+        assert send(network, 0, home) is None  # nobody outside has a route to the private address
+        assert send(network, 0, (network.public_ip(1), home[1])) is None  # nor a port on the router
+
+
+@pytest.mark.slow
+def test_a_peer_behind_nat_contributes_in_client_mode(tmp_path):
+    """Namespace 2 sits behind a NAT router: nobody can dial it. With --client-mode it dials out only, and its
+    pseudo-gradient is averaged in every group of the two public peers."""
+    from tests.swarm import Swarm, assert_groups_agree, by_epoch
+
+    with TestNetwork(3, behind_nat=(2,)) as network:
+        swarm = Swarm(tmp_path, network)
+        try:
+            public = [swarm.peer(f"p{i}", "--max-rounds", "5", namespace=i) for i in range(2)]
+            home = swarm.peer("home", "--max-rounds", "5", "--client-mode", namespace=2)
+            for peer in public + [home]:
+                assert peer.wait(300) == 0, peer.stderr[-3000:]
+        finally:
+            swarm.close()
+    home_id = home.metrics[0]["peer_id"]
+    assert assert_groups_agree(public + [home]) >= 3 * 3
+    together = [epoch for epoch, records in by_epoch(public + [home]).items()
+                if len(records) == 3 and all(home_id in r["group"] for r in records.values())]
+    assert len(together) >= 3, f"the peer behind NAT was in fewer than 3 groups: {sorted(together)}"
