@@ -7,6 +7,7 @@ steps or when the swarm's schedule says so. On CUDA it runs under bf16 autocast 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, List, Sequence
@@ -30,6 +31,8 @@ class InnerTrainer:
                  min_step_seconds: float = 0.0):
         self.model, self.run, self.device = model.to(device), run, device
         self.min_step_seconds = min_step_seconds
+        # held for each step: with overlap, the background sync changes theta only between two steps
+        self.step_lock = threading.Lock()
         self.params: List[torch.nn.Parameter] = list(self.model.parameters())
         self.micro_batch = micro_batch or run.batch_size
         self.optimizer = torch.optim.AdamW(
@@ -60,20 +63,21 @@ class InnerTrainer:
         stats, losses, start = InnerStats(), [], time.monotonic()
         while stats.steps < max_steps and not should_stop(stats.steps):
             step_start = time.monotonic()
-            lr = self.lr_at(global_step + stats.steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            batch = next(batches)
-            micro = batch.split(self.micro_batch)
-            total = 0.0
-            for chunk in micro:
-                loss = self._loss(chunk) / len(micro)
-                loss.backward()
-                total += loss.item()
-            if self.run.grad_clip:
-                torch.nn.utils.clip_grad_norm_(self.params, self.run.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            with self.step_lock:
+                lr = self.lr_at(global_step + stats.steps)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                batch = next(batches)
+                micro = batch.split(self.micro_batch)
+                total = 0.0
+                for chunk in micro:
+                    loss = self._loss(chunk) / len(micro)
+                    loss.backward()
+                    total += loss.item()
+                if self.run.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(self.params, self.run.grad_clip)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
             time.sleep(max(0.0, step_start + self.min_step_seconds - time.monotonic()))
             self.local_steps += 1
             stats.steps += 1

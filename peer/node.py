@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ from peer.data import load_corpus, load_tokenizer
 from peer.faults import FaultPlan
 from peer.flat import FlatLayout
 from peer.inner import InnerTrainer
+from peer.local import LocalModel
 from peer.model import build_model, count_parameters
 from peer.outer import GlobalState
 from peer.report import Reporter
@@ -113,6 +115,7 @@ class Peer:
         )
         self.averager.run_in_background(await_ready=True)
         self.install_signal_handlers()  # hivemind ignores SIGINT in the parent while it forks
+        self.local = LocalModel(self.trainer, self.layout)
         self.synchronizer = Synchronizer(
             averager=self.averager, dht=self.dht, run_id=self.node.run_id, manifest_hash=self.manifest.hash,
             peer_id=self.peer_id, state=self.state, trainer=self.trainer, layout=self.layout, run=run,
@@ -121,6 +124,7 @@ class Peer:
             fault_hook=self.fault_plan.fire if self.fault_plan else None,
             initial_peer_ids=tuple(m["p2p"] for m in parse_maddrs(net.initial_peers, flag="--initial-peers",
                                                                    need_peer_id=True)),
+            local=self.local,
         )
         self.clock = RoundClock(run, self.synchronizer, lambda next_sync_at: self._publish(next_sync_at=next_sync_at))
         if self.synchronizer.catch_up(timeout=60.0):
@@ -201,9 +205,14 @@ class Peer:
 
     # ------------------------------------------------------------------ run
     def run_rounds(self) -> int:
+        """Round after round until stopped. Without overlap, each round's sync runs between two inner phases;
+        with ``--overlap`` it runs in the background during the next inner phase, and is joined (reported,
+        checkpointed) at that phase's end, before the next sync starts."""
         max_rounds, run, clock = self.node.max_rounds, self.run, self.clock
         batches = iter(lambda: self.stream.next_batch(run.batch_size), None)
-        while not self.stop_requested.is_set() and not (max_rounds and self.rounds >= max_rounds):
+        inflight: Optional[InFlight] = None
+        clock.sync_in_flight = lambda: inflight is not None and not inflight.done.is_set()
+        while not self.stop_requested.is_set() and not (max_rounds and self.rounds + bool(inflight) >= max_rounds):
             round_start = time.monotonic()
             steps = clock.begin()
             epoch_at_start = self.state.epoch
@@ -226,34 +235,69 @@ class Peer:
             if stats.steps == 0 or self.stop_requested.is_set():
                 break
             self.pending_rounds += 1
-
-            self.pending_tokens += self.synchronizer.take_recovered_tokens()
-            sync_start = time.monotonic()
-            budget = self.synchronizer.round_budget()
-            result = self.synchronizer.sync(self.pending_tokens, budget, missed_rounds=self.pending_rounds - 1,
-                                            step_seconds=clock.step_seconds or stats.compute_seconds / stats.steps)
-            clock.finish(stats.steps, stats.compute_seconds, result.next_round_seconds)
-            sync_seconds = time.monotonic() - sync_start
-            stale = self.pending_rounds - 1
-            if result.applied:
-                self.pending_tokens = self.pending_rounds = 0
-            elif self.pending_rounds > run.max_staleness:
-                self.reporter.info(f"{self.pending_rounds} rounds of work went unmerged, past --max-staleness "
-                                   f"{run.max_staleness}: dropping them and resyncing to the global state")
-                self.synchronizer.drop_unmerged()
-                self.pending_tokens = self.pending_rounds = 0
-            self.rounds += 1
-            self.last_loss = stats.loss
-            self.last_round_seconds = time.monotonic() - round_start
-            eval_loss = None
-            if result.applied and self.state.epoch % run.eval_every == 0:
-                eval_loss = self.trainer.evaluate(self.eval_batches)
-            result.rebased = result.rebased or clock.rebased
-            traffic = self._round_traffic()
-            self.last_bytes_sent = traffic[0]
-            self.reporter.round(self._metrics(stats, result, sync_seconds, stale, eval_loss, traffic))
-            self._checkpoint()
+            if inflight is not None:
+                self._finish(inflight)
+            inflight = self._launch(stats)
+            if not self.node.overlap:
+                self._finish(inflight)
+                inflight = None
+        if inflight is not None:  # stopping (or the last round): the sync in flight completes first
+            self._finish(inflight)
         return 0
+
+    def _launch(self, stats) -> "InFlight":
+        """Start this round's sync: in the background with overlap (on theta frozen now), else right here."""
+        self.pending_tokens += self.synchronizer.take_recovered_tokens()
+        step_seconds = self.clock.step_seconds or stats.compute_seconds / stats.steps
+        job = InFlight(stats, self.pending_tokens, self.pending_rounds)
+        sync = functools.partial(self.synchronizer.sync, job.tokens, self.synchronizer.round_budget(),
+                                 missed_rounds=job.rounds - 1, step_seconds=step_seconds)
+        if self.node.overlap:
+            self.local.freeze(with_moments=self.moment is not None)
+        job.start(sync, background=self.node.overlap)
+        return job
+
+    def _finish(self, job: "InFlight") -> None:
+        """Join a round's sync; account its tokens, report it, checkpoint."""
+        run, wait_start = self.run, time.monotonic()
+        result = job.wait()
+        self.local.thaw()
+        sync_seconds = time.monotonic() - (wait_start if self.node.overlap else job.started)
+        self.clock.finish(job.stats.steps, job.stats.compute_seconds, result.next_round_seconds)
+        stale = job.rounds - 1
+        if result.applied:
+            self.pending_tokens -= job.tokens
+            self.pending_rounds -= job.rounds
+        elif self.pending_rounds > run.max_staleness:
+            self.reporter.info(f"{self.pending_rounds} rounds of work went unmerged, past --max-staleness "
+                               f"{run.max_staleness}: dropping them and resyncing to the global state")
+            self.synchronizer.drop_unmerged()
+            self.pending_tokens = self.pending_rounds = 0
+        self.rounds += 1
+        self.last_loss = job.stats.loss
+        self.last_round_seconds = job.stats.compute_seconds + sync_seconds
+        eval_loss = None
+        if result.applied and self.state.epoch % run.eval_every == 0:
+            eval_loss = self._evaluate_global()
+        result.rebased = result.rebased or self.clock.rebased
+        traffic = self._round_traffic()
+        self.last_bytes_sent = traffic[0]
+        record = self._metrics(job.stats, result, sync_seconds, stale, eval_loss, traffic)
+        record.update(overlap=self.node.overlap, sync_wall_seconds=job.finished - job.started)
+        self.reporter.round(record)
+        self._checkpoint()
+
+    def _evaluate_global(self) -> float:
+        """Held-out loss of the global parameters G. With overlap the model holds G plus the next round's
+        steps, so G is swapped in for the evaluation and the model restored after."""
+        if not self.node.overlap:
+            return self.trainer.evaluate(self.eval_batches)  # theta == G right after the outer step
+        theta = self.layout.gather(self.trainer.params, self.layout.empty())
+        self.layout.scatter(self.state.params, self.trainer.params)
+        try:
+            return self.trainer.evaluate(self.eval_batches)
+        finally:
+            self.layout.scatter(theta, self.trainer.params)
 
     def _round_traffic(self):
         """Bytes this peer's averager moved through the transport since the last round ended."""
@@ -333,3 +377,35 @@ class Peer:
         for component in (self.averager, self.dht):
             if component is not None and component.is_alive():
                 component.shutdown()
+
+
+class InFlight:
+    """One round's sync, run here or on a background thread (overlap), with what it was started with."""
+
+    def __init__(self, stats, tokens: int, rounds: int):
+        self.stats, self.tokens, self.rounds = stats, tokens, rounds
+        self.started = self.finished = time.monotonic()
+        self.done = threading.Event()
+        self.result: Optional[SyncResult] = None
+        self.error: Optional[BaseException] = None
+
+    def start(self, sync, background: bool) -> None:
+        def run():
+            try:
+                self.result = sync()
+            except BaseException as e:  # re-raised in the training thread by wait()
+                self.error = e
+            finally:
+                self.finished = time.monotonic()
+                self.done.set()
+
+        if background:
+            threading.Thread(target=run, name="sync", daemon=True).start()
+        else:
+            run()
+
+    def wait(self) -> SyncResult:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result

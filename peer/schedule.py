@@ -34,10 +34,12 @@ class RoundClock:
         self.aligned = False
         self.rebased = False
         self._last_watch = 0.0
+        self.sync_in_flight: Callable[[], bool] = lambda: False  # overlap: a sync runs in the background
 
     def begin(self) -> int:
         """Plan the next inner phase; returns the step budget. Catches up first if the swarm moved on."""
-        self.rebased = self.synchronizer.catch_up(timeout=60.0)
+        # with overlap, the sync in flight catches up itself; two at once would both rebase
+        self.rebased = not self.sync_in_flight() and self.synchronizer.catch_up(timeout=60.0)
         now = get_dht_time()
         target = self.agreed_end if self.agreed_end and self.agreed_end > now and not self.rebased else None
         self.agreed_end = None
@@ -55,7 +57,7 @@ class RoundClock:
 
     def watch(self) -> None:
         """Called between inner steps: an unaligned peer looks for the swarm's schedule and catches up."""
-        if self.aligned or time.monotonic() - self._last_watch < WATCH_INTERVAL:
+        if self.aligned or self.sync_in_flight() or time.monotonic() - self._last_watch < WATCH_INTERVAL:
             return
         self._last_watch = time.monotonic()
         if self.synchronizer.catch_up(timeout=60.0):

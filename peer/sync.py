@@ -38,6 +38,7 @@ from peer.contributions import Contributions
 from peer.deadlines import Deadlines
 from peer.flat import FlatLayout
 from peer.inner import InnerTrainer
+from peer.local import LocalModel
 from peer.outer import GlobalState, merge_contributors, nesterov_step, state_hash
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,11 @@ class Synchronizer:
                  state: GlobalState, trainer: InnerTrainer, layout: FlatLayout, run: RunConfig,
                  sync: SyncConfig, delta: torch.Tensor, moment: Optional[torch.Tensor], lock: threading.Lock,
                  client_mode: bool, feedback: Optional[ErrorFeedback] = None,
-                 fault_hook: Optional[Callable[[str, int], None]] = None, initial_peer_ids: Tuple[str, ...] = ()):
+                 fault_hook: Optional[Callable[[str, int], None]] = None, initial_peer_ids: Tuple[str, ...] = (),
+                 local: Optional[LocalModel] = None):
         self.averager, self.dht, self.run_id, self.manifest_hash = averager, dht, run_id, manifest_hash
         self.peer_id, self.state, self.trainer, self.layout = peer_id, state, trainer, layout
+        self.local = local or LocalModel(trainer, layout)  # theta as this sync sees it (overlap: frozen)
         self.run, self.config, self.delta, self.moment, self.lock = run, sync, delta, moment, lock
         self.client_mode, self.fault_hook, self.initial_peer_ids = client_mode, fault_hook, initial_peer_ids
         self.deadlines = Deadlines(ceiling=sync.allreduce_timeout, floor=sync.deadline_floor,
@@ -166,13 +169,13 @@ class Synchronizer:
         with self.lock:
             if attempted_epoch is not None and mine_merged == attempted_epoch:
                 self.merged_ours = True
-                own_delta = self.layout.gather(self.trainer.params, self.layout.empty())
+                own_delta = self.local.gather(self.layout.empty())
                 self.feedback.commit(torch.sub(self.state.params, own_delta, out=own_delta))
-                self.layout.scatter(params, self.trainer.params)
+                self.local.set(params)
             else:
                 shift = params - self.state.params  # one temporary copy; freed when we return
                 self.recovered_tokens += self.contributions.carry_into(shift, mine_merged)
-                self.layout.add_into(shift, self.trainer.params)
+                self.local.shift(shift)
             self.contributions.clear()
             self.state.params, self.state.momentum = params, momentum
             self.state.epoch, self.state.tokens_total, self.state.merged = epoch, tokens_total, merged
@@ -274,7 +277,7 @@ class Synchronizer:
     def drop_unmerged(self) -> None:
         """Past the staleness bound: forget our unmerged work and train from the global state again."""
         with self.lock:
-            self.layout.scatter(self.state.params, self.trainer.params)
+            self.local.set(self.state.params)
             self.contributions.clear()
 
     def _next_round_seconds(self, gathered: dict) -> Optional[float]:
@@ -296,15 +299,15 @@ class Synchronizer:
 
     def _fill_buffers(self, align: bool) -> bool:
         with self.averager.get_tensors():
-            self.layout.gather(self.trainer.params, self.delta)
+            self.local.gather(self.delta)
             torch.sub(self.state.params, self.delta, out=self.delta)  # delta = G - theta
             if align:
-                self.layout.gather(self.trainer.first_moments(), self.moment)
+                self.local.gather_moments(self.moment)
             if torch.isfinite(self.delta).all():
                 self.feedback.quantize(self.delta, out=self.delta)  # what we send: delta + residual, quantized
                 return True
         logger.error("the local model diverged (non-finite pseudo-gradient); resetting it to the global state")
-        self.layout.scatter(self.state.params, self.trainer.params)
+        self.local.set(self.state.params)
         return False
 
     def _average(self, tokens: int, weight: float, align: bool, deadline: float) -> dict:
@@ -329,7 +332,7 @@ class Synchronizer:
         if any((info.get("epoch", mine[0]), info.get("hash", mine[1])) != mine for info in gathered.values()):
             result.error = "a groupmate held a different state; not applied"  # round keys make this unreachable
             return
-        own_delta = self.layout.gather(self.trainer.params, self.layout.empty())
+        own_delta = self.local.gather(self.layout.empty())
         torch.sub(self.state.params, own_delta, out=own_delta)  # our delta again: the buffer now holds the average
         self.feedback.commit(own_delta)  # own_delta becomes what we sent; the residual keeps the rest
         with self.lock, self.averager.get_tensors():
@@ -340,11 +343,11 @@ class Synchronizer:
             nesterov_step(self.state.params, self.state.momentum, self.delta, self.run.outer_lr,
                           self.run.outer_momentum)
             if outcome["aligned"]:
-                self.trainer.load_first_moments([view for _, view in self.layout.slices(self.moment)])
+                self.local.load_first_moments([view for _, view in self.layout.slices(self.moment)])
             self.state.merged = merge_contributors(self.state.merged, gathered, self.state.epoch)
             self.state.epoch += 1
             self.state.tokens_total += sum(int(info["tokens"]) for info in gathered.values())
-            self.layout.scatter(self.state.params, self.trainer.params)  # theta <- G
+            self.local.set(self.state.params)  # theta <- G (with overlap: plus the steps taken since)
         result.applied, result.aligned = True, outcome["aligned"]
         result.group = tuple(sorted(gathered))
         result.group_tokens = sum(int(info["tokens"]) for info in gathered.values())

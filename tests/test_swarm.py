@@ -150,3 +150,22 @@ def test_quantized_rounds_shrink_the_wire_and_keep_states_identical(swarm):
         sent[codec] = statistics.median(full)  # the median skips a round that also served a state download
     assert sent["int8"] <= 0.27 * sent["none"], sent
     assert sent["int4"] <= 0.14 * sent["none"], sent
+
+
+def test_overlapped_rounds_keep_states_identical_and_learn(swarm):
+    """--overlap: each round's sync runs while the next round trains and its outer step lands one round
+    late; groups still end bit-identical and the loss falls."""
+    peers = [swarm.peer(f"p{i}", "--overlap", "--max-rounds", "8") for i in range(3)]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.stderr[-3000:]
+    assert assert_groups_agree(peers) >= 5 * 3
+    table = by_epoch(peers)
+    full = [epoch for epoch, records in table.items()
+            if len(records) == 3 and len({r["state_hash"] for r in records.values()}) == 1]
+    assert len(full) >= 5, f"fewer than 5 rounds in which all 3 peers agreed: {sorted(full)}"
+    for peer in peers:
+        records = peer.metrics
+        assert all(r["overlap"] for r in records)
+        assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
+        evals = [r["eval_loss"] for r in records if r["eval_loss"] is not None]
+        assert evals and evals[-1] < 3.5, evals  # the held-out loss of G itself, not of G plus a round's steps

@@ -1,0 +1,44 @@
+"""The local model as the sync phase sees it: with overlap, changes to theta keep the steps taken since."""
+
+import threading
+from types import SimpleNamespace
+
+import torch
+
+from peer.flat import FlatLayout
+from peer.local import LocalModel
+
+
+def make(values):
+    params = [torch.nn.Parameter(torch.tensor(values[:2])), torch.nn.Parameter(torch.tensor(values[2:]))]
+    trainer = SimpleNamespace(params=params, step_lock=threading.Lock(),
+                              first_moments=lambda: [torch.full_like(p, 7.0) for p in params])
+    return LocalModel(trainer, FlatLayout(params)), params
+
+
+def flat(params):
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def test_without_overlap_the_sync_reads_and_sets_the_live_parameters():
+    local, params = make([1.0, 2.0, 3.0, 4.0])
+    assert torch.equal(local.gather(torch.empty(4)), torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    local.set(torch.tensor([5.0, 5.0, 5.0, 5.0]))
+    assert torch.equal(flat(params), torch.tensor([5.0, 5.0, 5.0, 5.0]))
+
+
+def test_with_overlap_the_sync_sees_theta_e_and_the_outer_update_keeps_the_new_steps():
+    local, params = make([1.0, 2.0, 3.0, 4.0])
+    local.freeze(with_moments=True)
+    with torch.no_grad():  # round e+1 trains on while its sync runs
+        for p in params:
+            p.sub_(0.25)
+    assert torch.equal(local.gather(torch.empty(4)), torch.tensor([1.0, 2.0, 3.0, 4.0]))  # theta_e
+    assert torch.equal(local.gather_moments(torch.empty(4)), torch.full((4,), 7.0))
+    local.set(torch.tensor([10.0, 10.0, 10.0, 10.0]))  # the outer step lands: theta <- G' - (steps since)
+    assert torch.equal(flat(params), torch.tensor([9.75, 9.75, 9.75, 9.75]))
+    assert torch.equal(local.gather(torch.empty(4)), torch.tensor([10.0, 10.0, 10.0, 10.0]))
+    local.shift(torch.tensor([1.0, 0.0, 0.0, -1.0]))  # a rebase moves both
+    assert torch.equal(flat(params), torch.tensor([10.75, 9.75, 9.75, 8.75]))
+    local.thaw()
+    assert torch.equal(local.gather(torch.empty(4)), flat(params))
