@@ -8,8 +8,10 @@ RPCs:
 
 - each reducer encodes its averaged part **once** and sends the same bytes to every member, and
   decodes them for itself too, so all members decode identical bytes into identical fp32 values;
-- a sender that fails, a reducer that fails, a part of the wrong shape or a non-finite part aborts
-  the whole all-reduce with ``GroupLostMember``; the caller retries from its saved tensors.
+- a sender that fails, a reducer that fails, a part of the wrong shape or a bad weight aborts the
+  whole all-reduce with ``GroupLostMember``; the caller retries from its saved tensors;
+- each reducer combines a part robustly (``peer/robust.py``): a non-finite part is rejected, a part far
+  from the others is clipped, and a banned sender's parts are ignored; the offenders are reported.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from compression import Codec
+from peer.robust import Offence, robust_mean
 
 FaultHook = Callable[[str], None]
 
@@ -102,6 +105,51 @@ class ExactPartReducer(TensorPartReducer):
         self.finished.set()
 
 
+class RobustPartReducer(ExactPartReducer):
+    """Waits for every current sender's part, then combines them with ``robust_mean`` in sender order."""
+
+    def __init__(self, part_shapes, num_senders: int, clip_factor: float, ignored: Set[int],
+                 on_offence: Callable[[Offence], None]):
+        self.collected: Dict[int, Tuple[torch.Tensor, float]] = {}
+        self.clip_factor, self.ignored, self.on_offence = clip_factor, set(ignored), on_offence
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        self.collected = {}
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        if self.finished.is_set():
+            raise GroupLostMember("the reduction was aborted")
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:  # wait for the earlier parts to be reduced
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise GroupLostMember("the reduction was aborted")
+        future = self.current_part_future
+        if sender_index not in self.ignored:
+            self.collected[sender_index] = (tensor_part, weight)
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await future
+
+    def check_current_part_finished(self) -> None:
+        if self.current_part_accumulated_from < self.num_current_senders:
+            return
+        try:
+            averaged, offences = robust_mean(self.collected, self.clip_factor)
+        except ValueError as e:
+            self.current_part_future.set_exception(GroupLostMember(str(e)))
+            self.finished.set()
+            return
+        for offence in offences:
+            self.on_offence(offence)
+        self.current_part_future.set_result(averaged)
+        self.reset_accumulators()
+
+
 class ExactAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce of ``tensors`` in a formed group; iterate it to get the averaged tensors."""
 
@@ -122,6 +170,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         codec: Codec,
         part_size_bytes: int,
         fault_hook: Optional[FaultHook] = None,
+        clip_factor: float = 0.0,
+        banned: Set[PeerID] = frozenset(),
     ):
         # hivemind's __init__ builds its own (inexact) container and reducer, so set the fields here
         assert p2p.peer_id in ordered_peer_ids, "peer_id is not a part of the group"
@@ -148,11 +198,20 @@ class ExactAllReduceRunner(AllReduceRunner):
             return_deltas=False,
         )
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(self.my_index)
-        self.tensor_part_reducer = ExactPartReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
+        self.offences: Dict[PeerID, Dict[str, str]] = {}  # sender -> {what its parts did wrong: first detail}
+        self.severe: Set[PeerID] = set()  # senders with an offence that counts toward a ban
+        self.tensor_part_reducer = RobustPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), clip_factor,
+            ignored={i for i, peer in enumerate(self.sender_peer_ids) if peer in banned}, on_offence=self._offence,
         )
         self._encoded: Dict[int, asyncio.Future] = {}
         self.fault_hook = fault_hook
+
+    def _offence(self, offence: Offence) -> None:
+        peer = self.sender_peer_ids[offence.sender]
+        self.offences.setdefault(peer, {}).setdefault(offence.reason, offence.detail)
+        if offence.severe:
+            self.severe.add(peer)
 
     @property
     def my_index(self) -> int:
@@ -235,8 +294,6 @@ class ExactAllReduceRunner(AllReduceRunner):
                                           f"expected {tuple(expected) if expected else 'no more parts'}")
                 if not 0 < weight < float("inf"):
                     raise GroupLostMember(f"sender #{sender_index} sent weight {weight}")
-                if not torch.isfinite(part).all():
-                    raise GroupLostMember(f"sender #{sender_index} sent non-finite values")
                 if part_index == 0:
                     self._fire("reduce")  # a fault plan may strike this peer while it is reducing
                 averaged = await reducer.accumulate_part(sender_index, part_index, part, weight=weight)

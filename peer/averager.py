@@ -98,8 +98,14 @@ class SwarmAverager(DecentralizedAverager):
         client_mode: bool,
         fault_hook: Optional[Callable[[str, int], None]] = None,
         part_size_bytes: int = 2**20,
+        clip_factor: float = 0.0,
+        ban_after: int = 0,
     ):
         self.codec, self.fault_hook, self._state_provider = codec, fault_hook, state_provider
+        # robust aggregation (peer/robust.py) and bans, kept in the averager process across rounds
+        self.clip_factor, self.ban_after = clip_factor, ban_after
+        self.offence_counts: Dict[PeerID, int] = {}
+        self.banned: set = set()
         self.exact_timeout, self.part_timeout = allreduce_timeout, part_timeout  # set per round by prepare_round
         self._shared: Optional[Tuple[Dict[str, Any], List[torch.Tensor]]] = None  # a snapshot donors serve
         self._shared_used = 0.0
@@ -198,6 +204,7 @@ class SwarmAverager(DecentralizedAverager):
                         peer_fractions=peer_fractions, modes=modes, sender_timeout=self.part_timeout,
                         reducer_timeout=2 * self.part_timeout, codec=self.codec,
                         part_size_bytes=kwargs["part_size_bytes"], fault_hook=self._fire,
+                        clip_factor=self.clip_factor, banned=self.banned,
                     )
                     self._running_groups[group_info.group_id].set_result(runner)
                     async for tensor, averaged in azip(as_aiter(*local_tensors), runner):
@@ -211,7 +218,23 @@ class SwarmAverager(DecentralizedAverager):
         finally:
             if runner is not None and runner._future.done() and not runner._future.cancelled():
                 runner._future.exception()  # raised above already; else asyncio logs it as never retrieved
-        return dict(gathered=gathered, aligned=count == 2, seconds=asyncio.get_event_loop().time() - started)
+        return dict(gathered=gathered, aligned=count == 2, seconds=asyncio.get_event_loop().time() - started,
+                    offences=self._judge(runner.offences, runner.severe))
+
+    def _judge(self, offences: Dict[PeerID, Dict[str, str]], severe: set) -> Dict[str, List[str]]:
+        """Log what each offender's parts did in this all-reduce (as this peer reduced them), count the severe
+        ones, and ban a peer after ``ban_after`` such rounds: its parts are ignored from then on."""
+        report = {}
+        for peer, reasons in offences.items():
+            self.offence_counts[peer] = self.offence_counts.get(peer, 0) + (peer in severe)
+            described = [f"{reason} ({detail})" if detail else reason for reason, detail in sorted(reasons.items())]
+            report[peer.to_base58()] = described
+            logger.warning(f"peer {peer} sent bad parts: {', '.join(described)}; offence "
+                           f"{self.offence_counts[peer]}{f' of {self.ban_after}' if self.ban_after else ''}")
+            if self.ban_after and self.offence_counts[peer] >= self.ban_after and peer not in self.banned:
+                self.banned.add(peer)
+                logger.warning(f"banned peer {peer} for the rest of the run: its parts are ignored")
+        return report
 
     def _fire(self, phase: str, epoch: Optional[int] = None) -> None:
         if self.fault_hook is not None:

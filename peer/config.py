@@ -42,6 +42,10 @@ class RunConfig:
     align_every: int = opt(4, "average the inner AdamW first moment every k rounds (0 = never)")
     stale_discount: float = opt(0.5, "a contribution stale by k rounds weighs tokens x this^k in the average")
     max_staleness: int = opt(4, "rounds of unmerged work after which a peer drops it and resyncs")
+    clip_factor: float = opt(2.0, "robust aggregation: clip each part's deviation from the median to this many "
+                                  "median deviations (0 = plain weighted mean)")
+    ban_after: int = opt(3, "ignore a peer's parts for the rest of the run after this many rounds with bad parts "
+                            "(0 = never)")
     quorum: int = opt(1, "smallest group that may apply an outer step; 1 = a lone peer never blocks")
     grace_seconds: float = opt(5.0, "matchmaking window: how long a ready peer waits for late peers")
     eval_fraction: float = opt(0.02, "tail of every text file held out for eval_loss (local datasets)")
@@ -52,6 +56,7 @@ class RunConfig:
     def __post_init__(self):
         require_positive(self, "seq_len", "batch_size", "inner_steps", "eval_batches", "eval_every", "quorum")
         require_non_negative(self, "round_seconds", "weight_decay", "grad_clip", "align_every", "grace_seconds",
+                             "clip_factor", "ban_after",
                              "lr_decay_steps", "warmup_steps", "max_staleness")
         if self.lr is not None and not 0 < self.lr < 1:
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")

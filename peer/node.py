@@ -112,6 +112,7 @@ class Peer:
             request_timeout=self.sync_config.request_timeout, allreduce_timeout=self.sync_config.allreduce_timeout,
             part_timeout=self.sync_config.part_timeout, client_mode=net.client_mode,
             fault_hook=self.fault_plan.fire if self.fault_plan else None,
+            clip_factor=run.clip_factor, ban_after=run.ban_after,
         )
         self.averager.run_in_background(await_ready=True)
         self.install_signal_handlers()  # hivemind ignores SIGINT in the parent while it forks
@@ -319,6 +320,7 @@ class Peer:
             compute_seconds=stats.compute_seconds, sync_seconds=sync_seconds, stale=stale,
             rebased=result.rebased, applied=result.applied, attempts=result.attempts, aligned=result.aligned,
             lr=stats.lr, tokens_per_second=stats.tokens / max(stats.compute_seconds, 1e-9), error=result.error,
+            offences=result.offences,
         )
 
     # ------------------------------------------------------------------ publish, checkpoint, close

@@ -17,6 +17,7 @@ them (it lost a fork), it carries them into its next contribution, so its work i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import threading
@@ -65,6 +66,7 @@ class SyncResult:
     rebased: bool = False
     error: Optional[str] = None
     next_round_seconds: Optional[float] = None  # the group's agreed length of the next inner phase
+    offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
 
 
 class Synchronizer:
@@ -349,6 +351,7 @@ class Synchronizer:
             self.state.tokens_total += sum(int(info["tokens"]) for info in gathered.values())
             self.local.set(self.state.params)  # theta <- G (with overlap: plus the steps taken since)
         result.applied, result.aligned = True, outcome["aligned"]
+        result.offences = dict(outcome.get("offences", {}))
         result.group = tuple(sorted(gathered))
         result.group_tokens = sum(int(info["tokens"]) for info in gathered.values())
         result.next_round_seconds = self._next_round_seconds(gathered)

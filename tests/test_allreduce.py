@@ -40,13 +40,14 @@ def shared_state(epoch=7):
     return metadata, [params, momentum]
 
 
-def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None):
+def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None, clip_factor=0.0, ban_after=0):
     averagers = []
     for dht, hook in zip(dhts, hooks):
         averager = SwarmAverager(
             torch.zeros(SIZE), None, dht, prefix=prefix, codec=get_codec(codec),
             state_provider=lambda: state or ({}, []), quorum=1, grace_seconds=2.0, request_timeout=1.0,
             allreduce_timeout=10.0, part_timeout=3.0, client_mode=False, fault_hook=hook, part_size_bytes=2**16,
+            clip_factor=clip_factor, ban_after=ban_after,
         )
         averager.run_in_background(await_ready=True)
         averagers.append(averager)
@@ -90,6 +91,38 @@ def test_members_end_bit_identical_with_the_weighted_mean(dhts, codec):
             # each member sends 2/3 of its vector to the other reducers and returns its reduced third to both
             expected = 2 * (2 / 3) * get_codec(codec).wire_bytes(SIZE)
             assert 0.95 * expected < sent < 1.15 * expected and 0.95 * expected < received < 1.15 * expected
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+def test_bad_parts_are_rejected_or_clipped_and_members_still_agree(dhts):
+    """One member sends NaN, then a pseudo-gradient scaled by 1000: the reducers reject or clip it, everyone
+    (the offender too) ends with the same bytes, the result stays near the honest mean, and after two
+    offending rounds the offender is banned: its parts are ignored."""
+    averagers = make_averagers(dhts, "robust", "none", clip_factor=2.0, ban_after=2)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        base = torch.randn(SIZE, generator=generator)
+        honest = [base + 0.1 * torch.randn(SIZE, generator=generator) for _ in range(2)]
+        clean = (honest[0] + honest[1]) / 2
+        offender = averagers[2].peer_id.to_base58()
+        for bad, verdict in ((torch.full((SIZE,), float("nan")), "non-finite"), (1000 * base, "clipped")):
+            outcomes = [c.result(timeout=60) for c in run_round(averagers, honest + [bad], [100, 100, 100])]
+            results = []
+            for averager in averagers:
+                with averager.get_tensors() as (delta,):
+                    results.append(delta.clone())
+            assert all(torch.equal(results[0], other) for other in results[1:]), "members differ"
+            assert (results[0] - clean).norm() < 0.5 * clean.norm(), verdict
+            for outcome in outcomes:  # every reducer saw the offender's part of its slice
+                assert list(outcome["offences"]) == [offender] and outcome["offences"][offender][0].startswith(verdict)
+        # banned now: its parts are ignored, so the result is exactly the honest mean (three usable parts
+        # would have been averaged, or clipped, with it)
+        outcomes = [c.result(timeout=60) for c in run_round(averagers, honest + [1000 * base], [100, 100, 100])]
+        with averagers[0].get_tensors() as (delta,):
+            torch.testing.assert_close(delta, clean, rtol=0, atol=1e-6)
+        assert all(outcome["offences"] == {} for outcome in outcomes)
     finally:
         for averager in averagers:
             averager.shutdown()
