@@ -125,7 +125,7 @@ class Peer:
             fault_hook=self.fault_plan.fire if self.fault_plan else None,
             initial_peer_ids=tuple(m["p2p"] for m in parse_maddrs(net.initial_peers, flag="--initial-peers",
                                                                    need_peer_id=True)),
-            local=self.local,
+            local=self.local, byzantine=self.node.byzantine,
         )
         self.clock = RoundClock(run, self.synchronizer, lambda next_sync_at: self._publish(next_sync_at=next_sync_at))
         if self.synchronizer.catch_up(timeout=60.0):

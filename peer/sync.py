@@ -75,10 +75,11 @@ class Synchronizer:
                  sync: SyncConfig, delta: torch.Tensor, moment: Optional[torch.Tensor], lock: threading.Lock,
                  client_mode: bool, feedback: Optional[ErrorFeedback] = None,
                  fault_hook: Optional[Callable[[str, int], None]] = None, initial_peer_ids: Tuple[str, ...] = (),
-                 local: Optional[LocalModel] = None):
+                 local: Optional[LocalModel] = None, byzantine: Optional[str] = None):
         self.averager, self.dht, self.run_id, self.manifest_hash = averager, dht, run_id, manifest_hash
         self.peer_id, self.state, self.trainer, self.layout = peer_id, state, trainer, layout
         self.local = local or LocalModel(trainer, layout)  # theta as this sync sees it (overlap: frozen)
+        self.byzantine = byzantine
         self.run, self.config, self.delta, self.moment, self.lock = run, sync, delta, moment, lock
         self.client_mode, self.fault_hook, self.initial_peer_ids = client_mode, fault_hook, initial_peer_ids
         self.deadlines = Deadlines(ceiling=sync.allreduce_timeout, floor=sync.deadline_floor,
@@ -307,6 +308,10 @@ class Synchronizer:
                 self.local.gather_moments(self.moment)
             if torch.isfinite(self.delta).all():
                 self.feedback.quantize(self.delta, out=self.delta)  # what we send: delta + residual, quantized
+                if self.byzantine == "nan":  # test-only: send garbage instead (reducers must reject or clip it)
+                    self.delta.fill_(float("nan"))
+                elif self.byzantine:
+                    self.delta.mul_(float(self.byzantine.split(":")[1]))
                 return True
         logger.error("the local model diverged (non-finite pseudo-gradient); resetting it to the global state")
         self.local.set(self.state.params)
