@@ -20,7 +20,7 @@ MANIFEST_TTL = 3600.0  # seconds; every live peer re-publishes it each round, so
 
 
 def manifest_key(run_id: str) -> str:
-    return f"{run_id}.manifest"
+    return f"{run_id}_manifest"
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,13 @@ class RunManifest:
 
     @classmethod
     def from_record(cls, run_id: str, record: Any) -> Optional["RunManifest"]:
-        """Parse a stored record; ``None`` if it is malformed or its hash does not match its contents."""
+        """Parse a stored record (JSON text, as published, or its dict); ``None`` if it is malformed or its
+        hash does not match its contents."""
+        if isinstance(record, str):
+            try:
+                record = json.loads(record)
+            except ValueError:
+                return None
         if not isinstance(record, dict) or not isinstance(record.get("settings"), dict):
             return None
         manifest = cls(run_id, dict(record["settings"]), str(record.get("version", "")))
@@ -49,7 +55,9 @@ class RunManifest:
 
 
 def publish_manifest(dht: hivemind.DHT, manifest: RunManifest, ttl: float = MANIFEST_TTL) -> bool:
-    return bool(dht.store(manifest_key(manifest.run_id), manifest.to_record(), get_dht_time() + ttl))
+    # JSON text: hivemind's schema validation takes no plain dict as a regular value (dht/validation.py)
+    text = json.dumps(manifest.to_record(), sort_keys=True)
+    return bool(dht.store(manifest_key(manifest.run_id), text, get_dht_time() + ttl))
 
 
 def fetch_manifest(dht: hivemind.DHT, run_id: str) -> Optional[RunManifest]:

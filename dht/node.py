@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
 
 import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2PDaemonError
 
 from dht.addresses import parse_maddrs
 from dht.cli import opt, require_positive
 from dht.errors import UserError
+from dht.validation import signer
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -85,7 +87,11 @@ class SwarmDHT(hivemind.DHT):
 
 
 def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase] = ()) -> SwarmDHT:
-    """Start a DHT node; every failure a user can cause becomes a one-line ``UserError``."""
+    """Start a DHT node; every failure a user can cause becomes a one-line ``UserError``. Every node signs its
+    records and checks others' signatures (``dht/validation.py``); ``record_validators`` add to that."""
+    validators = list(record_validators)
+    if not any(isinstance(v, RSASignatureValidator) for v in validators):
+        validators.insert(0, signer())
     initial_peers = [str(m) for m in parse_maddrs(config.initial_peers, flag="--initial-peers", need_peer_id=True)]
     if config.identity_path:
         directory = os.path.dirname(os.path.abspath(config.identity_path))
@@ -98,7 +104,7 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
             announce_maddrs=list(config.announce_maddrs) or None,
             identity_path=config.identity_path,
             client_mode=config.client_mode,
-            record_validators=list(record_validators),
+            record_validators=validators,
             startup_timeout=config.startup_timeout,
             start=True,
         )

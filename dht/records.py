@@ -1,8 +1,9 @@
 """Per-peer progress records: how peers see the swarm without a server.
 
 Key schema (all under the run id):
-- ``{run}.manifest``             the run manifest (manifest.py)
-- ``{run}.peers`` / <peer id>    one ``PeerRecord`` per live peer, expiring unless refreshed
+- ``{run}_manifest``                    the run manifest (manifest.py)
+- ``{run}_peers`` / <peer id>[owner:…]  one ``PeerRecord`` per live peer, signed by it (validation.py),
+                                        expiring unless refreshed
 A record carries the peer's epoch and state hash (for catch-up and fork choice), the tokens merged
 into its state, and when it plans to sync next (so joiners line their rounds up with the swarm).
 """
@@ -18,11 +19,13 @@ from typing import Dict, Optional
 import hivemind
 from hivemind.utils import get_dht_time
 
+from dht.validation import record_subkey, subkey_peer_id
+
 logger = logging.getLogger(__name__)
 
 
 def peers_key(run_id: str) -> str:
-    return f"{run_id}.peers"
+    return f"{run_id}_peers"
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ def publish_record(dht: hivemind.DHT, run_id: str, record: PeerRecord, expiratio
     the store runs in the background: a peer cut off from part of the swarm keeps training while the
     DHT waits out its unreachable nodes."""
     value = dataclasses.asdict(dataclasses.replace(record, updated_at=get_dht_time()))
-    stored = dht.store(peers_key(run_id), value, expiration_time, subkey=record.peer_id, return_future=not wait)
+    stored = dht.store(peers_key(run_id), value, expiration_time, subkey=record_subkey(record.peer_id),
+                       return_future=not wait)
     return bool(stored) if wait else True
 
 
@@ -87,11 +91,13 @@ def fetch_records(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = Non
         return None
     if found is None or not isinstance(found.value, dict):
         return {}
-    records = {}
+    records: Dict[str, PeerRecord] = {}
     for subkey, item in found.value.items():
         record = PeerRecord.from_value(getattr(item, "value", None))
-        if record is None or record.peer_id != subkey:
+        if record is None or record.peer_id != subkey_peer_id(subkey):
             logger.debug(f"skipping malformed peer record under {subkey!r}")
             continue
-        records[subkey] = dataclasses.replace(record, expires_at=float(item.expiration_time))
+        # a restarted peer signs with a new key: its old record lingers under the old subkey until it expires
+        if record.peer_id not in records or record.updated_at > records[record.peer_id].updated_at:
+            records[record.peer_id] = dataclasses.replace(record, expires_at=float(item.expiration_time))
     return records

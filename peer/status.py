@@ -127,11 +127,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.live import Live
 
     from dht.node import DHTConfig, start_dht
+    from dht.validation import run_validators
 
     dht = None
     try:
         dht = start_dht(DHTConfig(initial_peers=tuple(args.initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",),
-                                  client_mode=True, startup_timeout=args.startup_timeout))
+                                  client_mode=True, startup_timeout=args.startup_timeout),
+                        run_validators(args.run_id))
         console = Console(highlight=False, soft_wrap=True)
         if not console.is_terminal:
             console.width = 200  # piped to a file or a test: never truncate a column

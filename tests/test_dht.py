@@ -1,5 +1,6 @@
 """The swarm layer on real hivemind DHT nodes on loopback: manifests, records, startup errors."""
 
+import json
 import socket
 
 import pytest
@@ -62,3 +63,65 @@ def test_port_in_use_is_a_user_error():
         maddr = f"/ip4/127.0.0.1/tcp/{taken.getsockname()[1]}"
         with pytest.raises(UserError, match="the port is already in use; pick a free port or use tcp/0"):
             start_dht(DHTConfig(host_maddrs=(maddr,)))
+
+
+def test_records_are_signed_and_a_forged_or_malformed_one_is_refused(two_nodes):
+    """A peer's record lives under a subkey that holds its public key: a store signed by another key (here:
+    a node with a key of its own writing under our subkey) is refused, and the schema refuses bad values."""
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from dht.records import peers_key, publish_record
+    from dht.validation import record_subkey, run_validators
+
+    first, second = two_nodes
+    genuine = PeerRecord("peer-9", 4, "h4", 40, "m")
+    assert publish_record(first, "run-f", genuine, get_dht_time() + 60)
+    forger = start_dht(DHTConfig(host_maddrs=(LOOPBACK,),
+                                 initial_peers=tuple(str(m) for m in first.get_visible_maddrs())),
+                       [RSASignatureValidator(RSAPrivateKey()), *run_validators("run-f")[1:]])
+    try:
+        forged = dict(genuine.__dict__, epoch=99, state_hash="evil", tokens_total=10**9)
+        assert not forger.store(peers_key("run-f"), forged, get_dht_time() + 120, subkey=record_subkey("peer-9"))
+        record = (fetch_records(second, "run-f") or {}).get("peer-9")
+        assert record is not None and (record.epoch, record.state_hash) == (4, "h4"), record
+        # a value that breaks the schema is refused even under the writer's own subkey
+        checked = start_dht(DHTConfig(host_maddrs=(LOOPBACK,)), run_validators("run-f"))
+        try:
+            bad = dict(genuine.__dict__, epoch="four")
+            assert not checked.store(peers_key("run-f"), bad, get_dht_time() + 60, subkey=record_subkey("peer-8"))
+        finally:
+            checked.shutdown()
+    finally:
+        forger.shutdown()
+
+
+@pytest.mark.parametrize("fields", [
+    dict(),  # a fresh peer: no loss, no schedule yet
+    dict(status="syncing", loss=3.25, tokens_per_second=812.5, next_sync_at=1.8e9, round_seconds=50.5,
+         busy_until=1.8e9 + 30, client_mode=True, bytes_per_round=8_600_000, updated_at=1.8e9),
+])
+def test_what_peers_publish_passes_the_run_schema(fields):
+    """Every record a peer publishes must pass the schema, or the DHT would silently drop it."""
+    import dataclasses
+
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.validation import DHTRecord
+
+    from dht.manifest import manifest_key
+    from dht.records import peers_key
+    from dht.validation import record_subkey, run_validators
+    from peer.config import RunConfig
+
+    schema = run_validators("run-g")[1]
+    value = dataclasses.asdict(PeerRecord("peer-7", 3, "h3", 30, "m", **fields))
+    dumps = DHTProtocol.serializer.dumps
+    record = DHTRecord(DHTID.generate(source=peers_key("run-g")).to_bytes(), dumps(record_subkey("peer-7")),
+                       dumps(value), 1.8e9)
+    assert schema.validate(record)
+    assert not schema.validate(dataclasses.replace(record, value=dumps(dict(value, epoch=3.0))))
+    manifest = json.dumps(RunManifest("run-g", RunConfig().to_settings()).to_record())
+    assert schema.validate(DHTRecord(DHTID.generate(source=manifest_key("run-g")).to_bytes(),
+                                     DHTProtocol.IS_REGULAR_VALUE, dumps(manifest), 1.8e9))
