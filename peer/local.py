@@ -4,11 +4,17 @@ Without overlap the sync phase runs between two inner phases and reads and write
 
 With overlap, the sync of round e runs in the background while round e+1 trains. It must see theta_e,
 the parameters at the end of round e (``freeze`` copies them, and AdamW's first moment, between two
-steps), and every change it makes to theta must keep the steps taken since: setting theta to a new
-global state G' (after the outer step, or a rebase) becomes ``live += G' - theta_e``, a shift applied
-between two inner steps under the trainer's step lock; so does a rebase's shift. The pseudo-gradient
-of round e+1 is then exactly the work done since theta_e, measured from G' (the outer update lands one
-round late, as in Streaming DiLoCo).
+steps), and every change it makes to theta must keep the steps taken since.
+
+Round e+1 does not train on from theta_e: that point is a whole outer step behind the state the round's
+work will be applied to, and DiLoCo's outer Nesterov (lr 0.7, momentum 0.9) moves G by up to about 7
+rounds of local progress per step, so the round would compute its gradients far from where they land.
+Instead, as in "eager updates" (Kale et al., 2025),
+it starts from a proxy ``start``: the outer step this peer would take with its own pseudo-gradient in
+place of the group's average. When the real outer step lands, setting theta to the new global state G'
+becomes ``live += G' - start``, a shift applied between two inner steps under the trainer's step lock
+(so does a rebase's shift): the work done since is kept, measured from G'. The pseudo-gradient of round
+e+1 is that work; the error of the proxy is corrected the moment the average arrives.
 """
 
 from __future__ import annotations
@@ -26,15 +32,22 @@ class LocalModel:
         self.trainer, self.layout = trainer, layout
         self.frozen: Optional[torch.Tensor] = None  # theta_e while its sync runs in the background
         self.frozen_moments: Optional[torch.Tensor] = None
+        self.base: Optional[torch.Tensor] = None  # where the live model restarted from: theta_e, or ``start``
 
     def freeze(self, with_moments: bool) -> None:
         """Called between inner phases (no step running): the sync about to start sees this theta."""
         self.frozen = self.layout.gather(self.trainer.params, self.layout.empty())
         self.frozen_moments = (self.layout.gather(self.trainer.first_moments(), self.layout.empty())
                                if with_moments else None)
+        self.base = self.frozen.clone()
+
+    def start(self, proxy: torch.Tensor) -> None:
+        """Between inner phases: the next round trains from ``proxy`` (the eager outer step) instead of theta_e."""
+        self.layout.scatter(proxy, self.trainer.params)
+        self.base = proxy
 
     def thaw(self) -> None:
-        self.frozen = self.frozen_moments = None
+        self.frozen = self.frozen_moments = self.base = None
 
     def gather(self, out: torch.Tensor) -> torch.Tensor:
         if self.frozen is None:
@@ -47,14 +60,15 @@ class LocalModel:
         return out.copy_(self.frozen_moments)
 
     def set(self, target: torch.Tensor) -> None:
-        """theta <- target; with overlap, live <- live + (target - theta_e): the steps since are kept."""
+        """theta <- target; with overlap, live <- live + (target - base): the steps since are kept."""
         if self.frozen is None:
             self.layout.scatter(target, self.trainer.params)
             return
-        shift = target - self.frozen
+        shift = target - self.base
         with self.trainer.step_lock:
             self.layout.add_into(shift, self.trainer.params)
         self.frozen.copy_(target)
+        self.base.copy_(target)
 
     def shift(self, shift: torch.Tensor) -> None:
         """theta <- theta + shift (a rebase onto a new lineage), on theta_e and on the live parameters."""
@@ -62,6 +76,7 @@ class LocalModel:
             self.layout.add_into(shift, self.trainer.params)
         if self.frozen is not None:
             self.frozen.add_(shift)
+            self.base.add_(shift)
 
     def load_first_moments(self, moments) -> None:
         with self.trainer.step_lock:

@@ -256,6 +256,7 @@ class Peer:
                                  missed_rounds=job.rounds - 1, step_seconds=step_seconds)
         if self.node.overlap:
             self.local.freeze(with_moments=self.moment is not None)
+            self.local.start(self.synchronizer.eager_target())
         job.start(sync, background=self.node.overlap)
         return job
 

