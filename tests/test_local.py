@@ -37,8 +37,8 @@ def test_with_overlap_the_sync_sees_theta_e_and_the_outer_update_keeps_the_new_s
     assert torch.equal(local.gather_moments(torch.empty(4)), torch.full((4,), 7.0))
     local.set(torch.tensor([10.0, 10.0, 10.0, 10.0]))  # the outer step lands: theta <- G' - (steps since)
     assert torch.equal(flat(params), torch.tensor([9.75, 9.75, 9.75, 9.75]))
-    local.thaw()
     assert torch.equal(local.gather(torch.empty(4)), torch.tensor([10.0, 10.0, 10.0, 10.0]))
+    local.thaw()
 
     local.freeze(with_moments=False)  # eager: the next round starts from the proxy outer step instead
     local.start(torch.tensor([20.0, 20.0, 20.0, 20.0]))
@@ -46,7 +46,7 @@ def test_with_overlap_the_sync_sees_theta_e_and_the_outer_update_keeps_the_new_s
         for p in params:
             p.sub_(0.5)
     local.shift(torch.tensor([1.0, 0.0, 0.0, -1.0]))  # a rebase moves theta_e, the proxy and the live model
-    assert torch.equal(local.gather(torch.empty(4)), torch.tensor([10.75, 9.75, 9.75, 8.75]))
+    assert torch.equal(local.gather(torch.empty(4)), torch.tensor([10.75, 9.75, 9.75, 8.75]))  # theta_e + shift
     local.set(torch.tensor([21.0, 21.0, 21.0, 21.0]))  # the real step supersedes both: G' plus the work since
     assert torch.equal(flat(params), torch.tensor([20.5, 20.5, 20.5, 20.5]))
     local.thaw()
