@@ -87,19 +87,6 @@ def test_identity_used_by_another_live_peer(tmp_path):
 
 
 @pytest.mark.slow
-def test_no_group_below_quorum_is_said_every_round(tmp_path):
-    swarm = Swarm(tmp_path)
-    try:
-        lone = swarm.peer("lone", "--quorum", "2", "--max-rounds", "1")
-        assert lone.wait(180) == 0, lone.stderr[-3000:]
-        [record] = lone.metrics
-        assert not record["applied"] and record["error"] == "no group of at least 2 peers formed"
-        assert "not applied: no group of at least 2 peers formed" in lone.stderr
-    finally:
-        swarm.close()
-
-
-@pytest.mark.slow
 def test_state_download_from_a_frozen_holder_gives_up_and_trains_on(tmp_path):
     swarm = Swarm(tmp_path)
     try:

@@ -111,6 +111,8 @@ def test_unmerged_work_past_max_staleness_is_dropped_for_the_global_state(swarm,
                       "--checkpoint-dir", str(checkpoint), join=False)
     assert lone.wait(180) == 0, lone.stderr[-2000:]
     assert [(r["applied"], r["stale"], r["epoch"]) for r in lone.metrics] == [(False, 0, 0), (False, 1, 0)]
+    assert all(r["error"] == "no group of at least 2 peers formed" for r in lone.metrics)
+    assert "not applied: no group of at least 2 peers formed" in lone.stderr  # the troubleshooting table's line
     assert ("2 rounds of work went unmerged, past --max-staleness 1: dropping them and resyncing to the global "
             "state") in lone.stderr
     saved = torch.load(checkpoint / "state.pt", weights_only=True)
@@ -151,21 +153,3 @@ def test_quantized_rounds_shrink_the_wire_and_keep_states_identical(swarm):
     assert sent["int8"] <= 0.27 * sent["none"], sent
     assert sent["int4"] <= 0.14 * sent["none"], sent
 
-
-def test_overlapped_rounds_keep_states_identical_and_learn(swarm):
-    """--overlap: each round's sync runs while the next round trains and its outer step lands one round
-    late; groups still end bit-identical and the loss falls."""
-    peers = [swarm.peer(f"p{i}", "--overlap", "--max-rounds", "8") for i in range(3)]
-    for peer in peers:
-        assert peer.wait(240) == 0, peer.stderr[-3000:]
-    assert assert_groups_agree(peers) >= 5 * 3
-    table = by_epoch(peers)
-    full = [epoch for epoch, records in table.items()
-            if len(records) == 3 and len({r["state_hash"] for r in records.values()}) == 1]
-    assert len(full) >= 5, f"fewer than 5 rounds in which all 3 peers agreed: {sorted(full)}"
-    for peer in peers:
-        records = peer.metrics
-        assert all(r["overlap"] for r in records)
-        assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
-        evals = [r["eval_loss"] for r in records if r["eval_loss"] is not None]
-        assert evals and evals[-1] < 4.0, evals  # G itself learned (untrained: ln 256 = 5.5)
