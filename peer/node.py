@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import signal
@@ -252,8 +251,17 @@ class Peer:
         self.pending_tokens += self.synchronizer.take_recovered_tokens()
         step_seconds = self.clock.step_seconds or stats.compute_seconds / stats.steps
         job = InFlight(stats, self.pending_tokens, self.pending_rounds)
-        sync = functools.partial(self.synchronizer.sync, job.tokens, self.synchronizer.round_budget(),
-                                 missed_rounds=job.rounds - 1, step_seconds=step_seconds)
+        budget = self.synchronizer.round_budget()
+
+        def sync() -> SyncResult:
+            result = self.synchronizer.sync(job.tokens, budget, missed_rounds=job.rounds - 1,
+                                            step_seconds=step_seconds)
+            if self.node.overlap and not result.applied:
+                # the round in progress was planned before this sync caught up (or found no group): line its
+                # end up with the swarm's, or we reach the next sync out of step with everyone again
+                self.clock.realign()
+            return result
+
         if self.node.overlap:
             self.local.freeze(with_moments=self.moment is not None)
             self.local.start(self.synchronizer.eager_target())

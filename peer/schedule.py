@@ -71,6 +71,11 @@ class RoundClock:
             self.publish(target)
             self._set_deadline(target, now)
 
+    def realign(self) -> None:
+        """The round in progress should line up with the swarm's schedule (``watch`` will look for it)."""
+        self.aligned = False
+        self._last_watch = 0.0
+
     def finish(self, steps: int, compute_seconds: float, next_round_seconds: Optional[float]) -> None:
         """After the round's sync: update our pace and keep the group's agreed end for the next round."""
         if steps:
