@@ -1,19 +1,30 @@
-"""The run manifest: the settings every peer of a run must share, published once and read by joiners.
+"""The run manifest: the settings every peer of a run must share, signed by the run's creator.
 
 A joiner needs nothing but ``--initial-peers``: it reads the manifest and builds the same model, data
-and hyperparameters. The hash covers the settings and the protocol version, so two runs that differ
-in anything that matters never average together.
+and hyperparameters. The hash covers the settings, the protocol version and the creator's public key,
+so two runs that differ in anything that matters never average together.
+
+Integrity: the creator signs the hash with its RSA key; the signature travels in the manifest, so any
+peer can re-publish it unchanged, and a reader drops a manifest whose signature or hash does not check.
+Each creator's manifest lives under its own subkey (the key's fingerprint), so a stranger who publishes
+another manifest under the same run id cannot replace the real one: a joiner that pins the creator
+with ``--run-key`` takes only that creator's; otherwise it takes the manifest most live peers train
+with (their records name its hash), and the lowest hash between equals.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Mapping, Optional
 
 import hivemind
 from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from dht.errors import UserError
 
 PROTOCOL_VERSION = "ddl/1"
 MANIFEST_TTL = 3600.0  # seconds; every live peer re-publishes it each round, so it outlives no run by much
@@ -23,26 +34,51 @@ def manifest_key(run_id: str) -> str:
     return f"{run_id}_manifest"
 
 
+def own_run_key() -> str:
+    """This process's public key, as a creator names itself in a manifest and a joiner pins it."""
+    return RSAPrivateKey.process_wide().get_public_key().to_bytes().decode()
+
+
+def fingerprint(run_key: str) -> str:
+    return hashlib.sha256(run_key.encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class RunManifest:
     run_id: str
     settings: Mapping[str, Any] = field(default_factory=dict)  # JSON-able run-level settings
     version: str = PROTOCOL_VERSION
+    creator: str = ""  # the creator's public key (ssh-rsa ...); part of the hash
+    signature: str = ""  # the creator's signature of the hash (base64); not part of it
 
     @property
     def hash(self) -> str:
-        canonical = json.dumps(
-            dict(run_id=self.run_id, settings=dict(self.settings), version=self.version), sort_keys=True
-        )
+        canonical = json.dumps(dict(run_id=self.run_id, settings=dict(self.settings), version=self.version,
+                                    **({"creator": self.creator} if self.creator else {})), sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
+    def signed(self) -> "RunManifest":
+        """This manifest created and signed by this process."""
+        key = RSAPrivateKey.process_wide()
+        created = replace(self, creator=own_run_key(), signature="")
+        return replace(created, signature=key.sign(created.hash.encode()).decode())
+
+    def verified(self) -> bool:
+        if not self.creator or not self.signature:
+            return False
+        try:
+            return RSAPublicKey.from_bytes(self.creator.encode()).verify(self.hash.encode(), self.signature.encode())
+        except (ValueError, TypeError):
+            return False
+
     def to_record(self) -> Dict[str, Any]:
-        return dict(settings=dict(self.settings), version=self.version, hash=self.hash)
+        return dict(settings=dict(self.settings), version=self.version, hash=self.hash, creator=self.creator,
+                    signature=self.signature)
 
     @classmethod
     def from_record(cls, run_id: str, record: Any) -> Optional["RunManifest"]:
-        """Parse a stored record (JSON text, as published, or its dict); ``None`` if it is malformed or its
-        hash does not match its contents."""
+        """Parse a stored record (JSON text, as published, or its dict); ``None`` if it is malformed, its hash
+        does not match its contents, or the creator's signature does not check."""
         if isinstance(record, str):
             try:
                 record = json.loads(record)
@@ -50,29 +86,46 @@ class RunManifest:
                 return None
         if not isinstance(record, dict) or not isinstance(record.get("settings"), dict):
             return None
-        manifest = cls(run_id, dict(record["settings"]), str(record.get("version", "")))
-        return manifest if manifest.hash == record.get("hash") else None
+        manifest = cls(run_id, dict(record["settings"]), str(record.get("version", "")),
+                       str(record.get("creator", "")), str(record.get("signature", "")))
+        return manifest if manifest.hash == record.get("hash") and manifest.verified() else None
 
 
 def publish_manifest(dht: hivemind.DHT, manifest: RunManifest, ttl: float = MANIFEST_TTL) -> bool:
     # JSON text: hivemind's schema validation takes no plain dict as a regular value (dht/validation.py)
     text = json.dumps(manifest.to_record(), sort_keys=True)
-    return bool(dht.store(manifest_key(manifest.run_id), text, get_dht_time() + ttl))
+    return bool(dht.store(manifest_key(manifest.run_id), text, get_dht_time() + ttl,
+                          subkey=fingerprint(manifest.creator)))
 
 
-def fetch_manifest(dht: hivemind.DHT, run_id: str) -> Optional[RunManifest]:
+def fetch_manifest(dht: hivemind.DHT, run_id: str, run_key: Optional[str] = None) -> Optional[RunManifest]:
+    """The run's manifest (see the module docstring for which one), ``None`` if there is none."""
     found = dht.get(manifest_key(run_id), latest=True)
-    return None if found is None else RunManifest.from_record(run_id, found.value)
+    if found is None or not isinstance(found.value, dict):
+        return None
+    candidates = [RunManifest.from_record(run_id, getattr(item, "value", None)) for item in found.value.values()]
+    candidates = [m for m in candidates if m is not None and (run_key is None or m.creator == run_key.strip())]
+    if len(candidates) <= 1:
+        return candidates[0] if candidates else None
+    from dht.records import fetch_records  # records import this module's neighbours; keep the import local
+
+    votes = collections.Counter(r.manifest_hash for r in (fetch_records(dht, run_id, timeout=5.0) or {}).values()
+                                if r.status != "left")
+    return min(candidates, key=lambda m: (-votes[m.hash], m.hash))
 
 
-def join_or_create(dht: hivemind.DHT, proposal: RunManifest) -> RunManifest:
-    """Adopt the run's manifest if one exists; otherwise publish ``proposal``.
+def join_or_create(dht: hivemind.DHT, proposal: RunManifest, run_key: Optional[str] = None) -> RunManifest:
+    """Adopt the run's manifest if one exists; otherwise sign and publish ``proposal``.
 
-    Two peers that create the same run at once both publish and then both read back the DHT's single
-    winner (the record with the latest expiration), so they still agree on one manifest.
+    Two peers that create the same run at once both publish and then both read back, and the same rule
+    picks one manifest for both. With ``run_key``, only that creator's manifest is accepted.
     """
-    existing = fetch_manifest(dht, proposal.run_id)
+    existing = fetch_manifest(dht, proposal.run_id, run_key)
     if existing is not None:
         return existing
-    publish_manifest(dht, proposal)
-    return fetch_manifest(dht, proposal.run_id) or proposal
+    if run_key is not None:
+        raise UserError(f"run '{proposal.run_id}' has no manifest signed by the --run-key you gave: check the key "
+                        f"(the creator's `run key:` line), the --run-id, and that the run's peers are up")
+    signed = proposal if proposal.verified() else proposal.signed()
+    publish_manifest(dht, signed)
+    return fetch_manifest(dht, proposal.run_id) or signed

@@ -61,11 +61,11 @@ class PeerRecordModel(pydantic.BaseModel):
 
 
 class RunSchema(pydantic.BaseModel):
-    """The keys of one run: ``{run}_peers`` (one signed record per peer) and ``{run}_manifest`` (JSON text,
-    checked against its own hash by ``RunManifest.from_record``)."""
+    """The keys of one run: ``{run}_peers`` (one signed record per peer) and ``{run}_manifest`` (JSON text per
+    creator fingerprint, whose hash and signature ``RunManifest.from_record`` checks)."""
 
     peers: Dict[BytesWithPublicKey, PeerRecordModel]
-    manifest: pydantic.StrictStr
+    manifest: Dict[pydantic.StrictStr, pydantic.StrictStr]
 
 
 def run_validators(run_id: str) -> List[RecordValidatorBase]:

@@ -98,6 +98,8 @@ class NodeConfig:
     """Choices each peer makes for itself."""
 
     run_id: str = opt("diloco", "name of the run to start or join")
+    run_key: Optional[str] = opt(None, "join only the run whose creator has this public key (its `run key:` "
+                                       "line); without it, the manifest most live peers train with")
     checkpoint_dir: Optional[str] = opt(None, "write a checkpoint here every round and resume from it")
     metrics_file: Optional[str] = opt(None, "append one JSON line per round to this file")
     max_rounds: int = opt(0, "stop after this many rounds (0 = run until stopped)")

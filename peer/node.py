@@ -136,15 +136,22 @@ class Peer:
     def _resolve_manifest(self, payload: Optional[dict]) -> RunManifest:
         """The run's manifest: the swarm's if it has one, else ours (from the checkpoint or the flags)."""
         run_id = self.node.run_id
+        proposal = None
         if payload is not None:
-            proposal = RunManifest(run_id, payload["manifest_settings"])
+            proposal = RunManifest.from_record(run_id, payload.get("manifest_record"))
+            if proposal is None:
+                raise UserError(f"checkpoint in {self.node.checkpoint_dir} holds no valid signed run manifest (an "
+                                f"older format?); use another --checkpoint-dir")
         else:
             proposal = RunManifest(run_id, RunConfig(**self.run_flags).to_settings())
         if self.net.initial_peers:
-            manifest = join_or_create(self.dht, proposal)
+            manifest = join_or_create(self.dht, proposal, self.node.run_key)
         else:
-            publish_manifest(self.dht, proposal)
-            manifest = proposal
+            manifest = proposal if proposal.verified() else proposal.signed()
+            if self.node.run_key is not None and manifest.creator != self.node.run_key.strip():
+                raise UserError("--run-key names another creator, but this peer starts the run itself (no "
+                                "--initial-peers): drop --run-key, or pass the run's --initial-peers")
+            publish_manifest(self.dht, manifest)
         self.manifest_published_at = time.monotonic()
         for name, value in self.run_flags.items():
             if manifest.settings.get(name) != value:
@@ -183,6 +190,7 @@ class Peer:
             f"peer {self.peer_id} | run '{self.node.run_id}' ({self.manifest.hash}) | {run.model}: "
             f"{num_params / 1e6:.1f}M parameters on {device} | H={run.inner_steps} | {run.compression}"
         )
+        self.reporter.info(f"run key (joiners may pin the run's creator with --run-key): {self.manifest.creator}")
         if not self.net.client_mode:
             self.reporter.info("others join this run with --initial-peers and one of:")
             for maddr in visible_maddrs(self.dht):
@@ -366,6 +374,7 @@ class Peer:
         with self.lock:
             payload = dict(
                 manifest_settings=dict(self.manifest.settings), manifest_hash=self.manifest.hash,
+                manifest_record=self.manifest.to_record(),
                 run_id=self.node.run_id, peer_id=self.peer_id, params=self.state.params,
                 momentum=self.state.momentum, epoch=self.state.epoch, tokens_total=self.state.tokens_total,
                 merged=dict(self.state.merged), theta=self.layout.gather(self.trainer.params, self.layout.empty()),

@@ -4,11 +4,12 @@ import json
 import socket
 
 import pytest
+from hivemind.utils import get_dht_time
 
 from dht.errors import UserError
 from dht.manifest import RunManifest, fetch_manifest, join_or_create, manifest_key, publish_manifest
 from dht.node import LOOPBACK, DHTConfig, start_dht
-from dht.records import PeerRecord, RecordPublisher, fetch_records
+from dht.records import PeerRecord, RecordPublisher, fetch_records, publish_record
 from tests.swarm import wait_until
 
 
@@ -22,12 +23,11 @@ def two_nodes():
     first.shutdown()
 
 
-def test_manifest_is_shared_and_first_one_wins(two_nodes):
+def test_manifest_is_signed_shared_and_first_one_wins(two_nodes):
     first, second = two_nodes
-    ours = RunManifest("run-a", {"model": "tiny", "lr": 0.001})
-    assert join_or_create(first, ours) == ours
-    theirs = RunManifest("run-a", {"model": "small"})
-    assert join_or_create(second, theirs) == ours  # a joiner adopts the existing run
+    created = join_or_create(first, RunManifest("run-a", {"model": "tiny", "lr": 0.001}))
+    assert created.verified() and created.settings == {"model": "tiny", "lr": 0.001}
+    assert join_or_create(second, RunManifest("run-a", {"model": "small"})) == created  # a joiner adopts it
     assert fetch_manifest(second, "run-b") is None
 
 
@@ -110,7 +110,7 @@ def test_what_peers_publish_passes_the_run_schema(fields):
     from hivemind.dht.routing import DHTID
     from hivemind.dht.validation import DHTRecord
 
-    from dht.manifest import manifest_key
+    from dht.manifest import fingerprint, manifest_key
     from dht.records import peers_key
     from dht.validation import record_subkey, run_validators
     from peer.config import RunConfig
@@ -122,6 +122,33 @@ def test_what_peers_publish_passes_the_run_schema(fields):
                        dumps(value), 1.8e9)
     assert schema.validate(record)
     assert not schema.validate(dataclasses.replace(record, value=dumps(dict(value, epoch=3.0))))
-    manifest = json.dumps(RunManifest("run-g", RunConfig().to_settings()).to_record())
+    manifest = RunManifest("run-g", RunConfig().to_settings()).signed()
     assert schema.validate(DHTRecord(DHTID.generate(source=manifest_key("run-g")).to_bytes(),
-                                     DHTProtocol.IS_REGULAR_VALUE, dumps(manifest), 1.8e9))
+                                     dumps(fingerprint(manifest.creator)), dumps(json.dumps(manifest.to_record())),
+                                     1.8e9))
+
+
+def test_a_strangers_manifest_does_not_replace_the_run_and_run_key_pins_the_creator(two_nodes):
+    """Someone else signs another manifest under the same run id: it lands in its own slot; joiners keep the
+    one the run's peers train with, --run-key picks the creator's, and a wrong --run-key is a clear error."""
+    import dataclasses
+
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from dht.errors import UserError
+    from dht.manifest import own_run_key
+
+    first, second = two_nodes
+    real = join_or_create(first, RunManifest("run-h", {"model": "tiny"}))
+    publish_record(first, "run-h", PeerRecord("peer-1", 1, "h", 10, real.hash), get_dht_time() + 60)
+    stranger_key = RSAPrivateKey()
+    fake = RunManifest("run-h", {"model": "1b"}, creator=stranger_key.get_public_key().to_bytes().decode())
+    fake = dataclasses.replace(fake, signature=stranger_key.sign(fake.hash.encode()).decode())
+    assert fake.verified() and publish_manifest(second, fake)
+    assert fetch_manifest(second, "run-h") == real  # the manifest a live peer trains with
+    assert fetch_manifest(second, "run-h", run_key=fake.creator) == fake
+    assert fetch_manifest(second, "run-h", run_key=own_run_key()) == real
+    forged = dataclasses.replace(fake, settings={"model": "small"})  # contents changed after signing
+    assert RunManifest.from_record("run-h", forged.to_record()) is None
+    with pytest.raises(UserError, match="has no manifest signed by the --run-key you gave"):
+        join_or_create(second, RunManifest("run-i", {}), run_key=fake.creator)
