@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import hmac
 import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Mapping, Optional
@@ -32,6 +33,14 @@ MANIFEST_TTL = 3600.0  # seconds; every live peer re-publishes it each round, so
 
 def manifest_key(run_id: str) -> str:
     return f"{run_id}_manifest"
+
+
+def run_namespace(run_id: str, token: Optional[str]) -> str:
+    """The name a run's DHT keys and matchmaking keys are built from. A private run's depends on its shared
+    token, so a stranger without it can neither find the run's manifest and records nor address its groups."""
+    if not token:
+        return run_id
+    return f"{run_id}-{hmac.new(token.encode(), run_id.encode(), hashlib.sha256).hexdigest()[:24]}"
 
 
 def own_run_key() -> str:

@@ -98,6 +98,8 @@ class NodeConfig:
     """Choices each peer makes for itself."""
 
     run_id: str = opt("diloco", "name of the run to start or join")
+    run_token: Optional[str] = opt(None, "a private run's shared secret (or set DILOCO_RUN_TOKEN): its keys derive "
+                                         "from it, so peers without it cannot find or join the run")
     run_key: Optional[str] = opt(None, "join only the run whose creator has this public key (its `run key:` "
                                        "line); without it, the manifest most live peers train with")
     checkpoint_dir: Optional[str] = opt(None, "write a checkpoint here every round and resume from it")

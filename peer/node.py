@@ -24,7 +24,7 @@ from compression import get_codec
 from compression.feedback import ErrorFeedback, roundtrip
 from dht.addresses import parse_maddrs
 from dht.errors import UserError
-from dht.manifest import MANIFEST_TTL, RunManifest, join_or_create, publish_manifest
+from dht.manifest import MANIFEST_TTL, RunManifest, join_or_create, publish_manifest, run_namespace
 from dht.node import DHTConfig, start_dht, visible_maddrs
 from dht.validation import run_validators
 from peer.averager import SwarmAverager
@@ -51,6 +51,8 @@ class Peer:
         self.run_flags, self.node, self.sync_config, self.net = run_flags, node, sync, net
         self.reporter = Reporter(node.metrics_file, node.quiet)
         self.fault_plan = FaultPlan.parse(node.fault_plan)
+        # the name of the run's DHT and matchmaking keys: secret for a private run (--run-token)
+        self.namespace = run_namespace(node.run_id, node.run_token or os.environ.get("DILOCO_RUN_TOKEN"))
         self.stop_requested = threading.Event()
         self.lock = threading.Lock()  # guards the global state against a concurrent download by a peer
         self.dht = self.averager = self.synchronizer = self.clock = None
@@ -72,7 +74,7 @@ class Peer:
             payload = load_checkpoint(self.node.checkpoint_dir)  # a corrupt file fails here, before any network
             if net.identity_path is None:
                 net = dataclasses.replace(net, identity_path=os.path.join(self.node.checkpoint_dir, "identity.key"))
-        self.dht = start_dht(net, run_validators(self.node.run_id))
+        self.dht = start_dht(net, run_validators(self.namespace))
         self.peer_id = self.dht.peer_id.to_base58()
         self.manifest = self._resolve_manifest(payload)
         self.run = run = RunConfig.from_settings(dict(self.manifest.settings))
@@ -107,7 +109,7 @@ class Peer:
         if payload is not None and self.feedback.residual is not None and payload.get("residual") is not None:
             self.feedback.residual.copy_(payload["residual"])
         self.averager = SwarmAverager(
-            self.delta, self.moment, self.dht, prefix=f"{self.node.run_id}_{self.manifest.hash}", codec=codec,
+            self.delta, self.moment, self.dht, prefix=f"{self.namespace}_{self.manifest.hash}", codec=codec,
             state_provider=self._share_state, quorum=run.quorum, grace_seconds=run.grace_seconds,
             request_timeout=self.sync_config.request_timeout, allreduce_timeout=self.sync_config.allreduce_timeout,
             part_timeout=self.sync_config.part_timeout, client_mode=net.client_mode,
@@ -118,7 +120,7 @@ class Peer:
         self.install_signal_handlers()  # hivemind ignores SIGINT in the parent while it forks
         self.local = LocalModel(self.trainer, self.layout)
         self.synchronizer = Synchronizer(
-            averager=self.averager, dht=self.dht, run_id=self.node.run_id, manifest_hash=self.manifest.hash,
+            averager=self.averager, dht=self.dht, run_id=self.namespace, manifest_hash=self.manifest.hash,
             peer_id=self.peer_id, state=self.state, trainer=self.trainer, layout=self.layout, run=run,
             sync=self.sync_config, delta=self.delta, moment=self.moment, lock=self.lock,
             client_mode=net.client_mode, feedback=self.feedback,
@@ -138,12 +140,12 @@ class Peer:
         run_id = self.node.run_id
         proposal = None
         if payload is not None:
-            proposal = RunManifest.from_record(run_id, payload.get("manifest_record"))
+            proposal = RunManifest.from_record(self.namespace, payload.get("manifest_record"))
             if proposal is None:
                 raise UserError(f"checkpoint in {self.node.checkpoint_dir} holds no valid signed run manifest (an "
                                 f"older format?); use another --checkpoint-dir")
         else:
-            proposal = RunManifest(run_id, RunConfig(**self.run_flags).to_settings())
+            proposal = RunManifest(self.namespace, RunConfig(**self.run_flags).to_settings())
         if self.net.initial_peers:
             manifest = join_or_create(self.dht, proposal, self.node.run_key)
         else:

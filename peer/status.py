@@ -15,6 +15,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
@@ -31,6 +32,8 @@ def parse_args(argv: Optional[Sequence[str]]):
     parser = argparse.ArgumentParser(prog="python -m peer status", description=__doc__.split("\n\n")[0])
     parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of any peers of the swarm")
     parser.add_argument("--run-id", default="diloco", help="the run to show (default: diloco)")
+    parser.add_argument("--run-token", default=os.environ.get("DILOCO_RUN_TOKEN"),
+                        help="a private run's shared secret (default: $DILOCO_RUN_TOKEN)")
     parser.add_argument("--watch", nargs="?", type=float, const=WATCH_SECONDS, default=None, metavar="SECONDS",
                         help=f"refresh every SECONDS (default {WATCH_SECONDS:g}) until Ctrl+C")
     parser.add_argument("--json", action="store_true", help="print one JSON object (per refresh with --watch)")
@@ -42,15 +45,15 @@ def parse_args(argv: Optional[Sequence[str]]):
     return args
 
 
-def snapshot(dht, run_id: str) -> Dict[str, Any]:
+def snapshot(dht, run_id: str, namespace: str) -> Dict[str, Any]:
     """The run's manifest and its peers' records, as plain data (what ``--json`` prints)."""
     from hivemind.utils import get_dht_time
 
     from dht.manifest import fetch_manifest
     from dht.records import fetch_records
 
-    manifest = fetch_manifest(dht, run_id)
-    records = fetch_records(dht, run_id, timeout=LOOKUP_TIMEOUT) or {}
+    manifest = fetch_manifest(dht, namespace)
+    records = fetch_records(dht, namespace, timeout=LOOKUP_TIMEOUT) or {}
     now = get_dht_time()
     peers = []
     for record in sorted(records.values(), key=lambda r: (-r.epoch, r.peer_id)):
@@ -74,7 +77,7 @@ def forks(peers: List[Dict[str, Any]]) -> Dict[int, List[str]]:
 def summary(data: Dict[str, Any], initial_peers: Sequence[str]) -> str:
     live = [p for p in data["peers"] if p["status"] != "left"]
     if not data["peers"]:
-        where = "the run has no manifest either: check --run-id" if data["manifest"] is None else \
+        where = "the run has no manifest either: check --run-id (and --run-token)" if data["manifest"] is None else \
             "its manifest is there, so its peers left (records expire within a minute or two)"
         return f"no live peers of run '{data['run_id']}' through {initial_peers[0]}: {where}"
     epochs = sorted({p["epoch"] for p in live})
@@ -126,18 +129,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    from dht.manifest import run_namespace
     from dht.node import DHTConfig, start_dht
     from dht.validation import run_validators
 
+    namespace = run_namespace(args.run_id, args.run_token)
     dht = None
     try:
         dht = start_dht(DHTConfig(initial_peers=tuple(args.initial_peers), host_maddrs=("/ip4/127.0.0.1/tcp/0",),
                                   client_mode=True, startup_timeout=args.startup_timeout),
-                        run_validators(args.run_id))
+                        run_validators(namespace))
         console = Console(highlight=False, soft_wrap=True)
         if not console.is_terminal:
             console.width = 200  # piped to a file or a test: never truncate a column
-        data = snapshot(dht, args.run_id)
+        data = snapshot(dht, args.run_id, namespace)
         if args.watch is None:
             if args.json:
                 print(json.dumps(data), flush=True)
@@ -148,11 +153,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             while True:
                 print(json.dumps(data), flush=True)
                 time.sleep(args.watch)
-                data = snapshot(dht, args.run_id)
+                data = snapshot(dht, args.run_id, namespace)
         with Live(render(data, args.initial_peers), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(args.watch)
-                live.update(render(snapshot(dht, args.run_id), args.initial_peers), refresh=True)
+                live.update(render(snapshot(dht, args.run_id, namespace), args.initial_peers), refresh=True)
     except UserError as e:
         return fail(str(e))
     except KeyboardInterrupt:

@@ -1,7 +1,8 @@
 """``python -m peer status`` and ``python -m peer plot`` against a live 3-peer swarm and its metrics files.
 
-The swarm runs with ``--overlap`` (each round's sync in the background of the next round), so the same
-processes also show that overlapped rounds keep every group bit-identical: one swarm, not two, for CI time.
+The swarm is a private run (``--run-token``) and runs with ``--overlap`` (each round's sync in the
+background of the next round), so the same processes also show that a stranger without the token cannot
+join, and that overlapped rounds keep every group bit-identical: one swarm, not three, for CI time.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 from tests.swarm import ROOT, Proc, Swarm, assert_groups_agree, by_epoch, wait_until
 
 pytestmark = pytest.mark.slow
+TOKEN = "s3cret"
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +24,8 @@ def live(tmp_path_factory):
     swarm = Swarm(tmp_path_factory.mktemp("status"))
     try:
         board = swarm.log_dir / "tensorboard"
-        peers = [swarm.peer(f"p{i}", "--overlap", *(["--tensorboard", str(board)] if i == 0 else []))
-                 for i in range(3)]
+        peers = [swarm.peer(f"p{i}", "--overlap", "--run-token", TOKEN,
+                            *(["--tensorboard", str(board)] if i == 0 else [])) for i in range(3)]
         for peer in peers:
             peer.wait_rounds(2, timeout=180)
         yield swarm, peers
@@ -50,7 +52,7 @@ def test_status_lists_every_live_peer_with_agreeing_epochs_and_hashes(live, tmp_
     # --watch --json prints a snapshot per refresh; one taken while the group applies its outer step can
     # catch a peer that has not republished yet, so wait for a snapshot in which all three agree
     watcher = Proc([sys.executable, "-m", "peer", "status", "--initial-peers", swarm.maddr, "--json",
-                    "--watch", "1"], tmp_path, "watch")
+                    "--watch", "1", "--run-token", TOKEN], tmp_path, "watch")
     try:
         line = wait_until(lambda: next((line for line in watcher.stdout.splitlines() if line.endswith("}")
                                         and agreeing(line, ids)), None), 90, "a status snapshot listing all 3 peers")
@@ -62,7 +64,7 @@ def test_status_lists_every_live_peer_with_agreeing_epochs_and_hashes(live, tmp_
         assert row["status"] in ("training", "syncing") and row["tokens_per_second"] > 0
         assert row["last_seen_seconds"] < 60 and row["client_mode"] is False and row["bytes_per_round"] > 0
 
-    table = run_command("status", "--initial-peers", swarm.maddr)
+    table = run_command("status", "--initial-peers", swarm.maddr, "--run-token", TOKEN)
     assert table.returncode == 0, table.stderr
     for peer_id in ids:
         assert peer_id[-10:] in table.stdout, table.stdout
@@ -75,7 +77,7 @@ def test_status_of_an_empty_swarm_says_so_in_one_line(live):
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert result.returncode == 1
     assert lines == [f"no live peers of run 'nobody' through {swarm.maddr}: the run has no manifest either: "
-                     f"check --run-id"], result.stdout + result.stderr
+                     f"check --run-id (and --run-token)"], result.stdout + result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -127,3 +129,18 @@ def test_overlapped_rounds_keep_states_identical_and_learn(live):
         assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
         evals = [r["eval_loss"] for r in records if r["eval_loss"] is not None]
         assert evals and evals[-1] < 4.0, evals  # G itself learned (untrained: ln 256 = 5.5)
+
+
+def test_a_stranger_without_the_token_cannot_join_the_private_run(live):
+    """Same bootstrap, same run id, no token: the stranger finds no run, starts its own, and trains alone; the
+    private peers never see it in a group."""
+    swarm, peers = live
+    stranger = swarm.peer("stranger")
+    stranger.wait_rounds(2, timeout=120)
+    stranger.kill_group()
+    stranger_id = stranger.metrics[0]["peer_id"]
+    assert all(r["group_size"] == 1 for r in stranger.metrics)
+    for peer in peers:
+        assert all(stranger_id not in r["group"] for r in peer.metrics)
+    private = run_command("status", "--initial-peers", swarm.maddr, "--run-token", "wrong", "--json")
+    assert private.returncode == 1 and json.loads(private.stdout)["peers"] == []  # a wrong token sees nothing
