@@ -237,8 +237,11 @@ def test_three_peers_over_slow_far_links_one_behind_nat_agree(tmp_path):
     with TestNetwork(3, rate_mbit=100, delay_ms=50, behind_nat=(2,)) as network:
         swarm = Swarm(tmp_path, network)
         try:
-            public = [swarm.peer(f"p{i}", "--max-rounds", "5", namespace=i) for i in range(2)]
-            home = swarm.peer("home", "--max-rounds", "5", "--client-mode", namespace=2)
+            # matchmaking replies cross 100 ms round trips here, not loopback's microseconds: the tests' 1 s
+            # request timeout becomes 3 s, as a WAN deployment would set it
+            wan = ("--max-rounds", "5", "--request-timeout", "3", "--grace-seconds", "3")
+            public = [swarm.peer(f"p{i}", *wan, namespace=i) for i in range(2)]
+            home = swarm.peer("home", *wan, "--client-mode", namespace=2)
             for peer in public + [home]:
                 assert peer.wait(300) == 0, peer.stderr[-3000:]
         finally:
