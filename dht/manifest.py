@@ -1,8 +1,9 @@
 """The run manifest: the settings every peer of a run must share, signed by the run's creator.
 
 A joiner needs nothing but ``--initial-peers``: it reads the manifest and builds the same model, data
-and hyperparameters. The hash covers the settings, the protocol version and the creator's public key,
-so two runs that differ in anything that matters never average together.
+and hyperparameters. The hash covers the run id, the settings and the protocol version, so two runs
+that differ in anything that matters never average together; two peers that create the same run at
+once, with the same settings, sign the same hash and train together.
 
 Integrity: the creator signs the hash with its RSA key; the signature travels in the manifest, so any
 peer can re-publish it unchanged, and a reader drops a manifest whose signature or hash does not check.
@@ -57,26 +58,29 @@ class RunManifest:
     run_id: str
     settings: Mapping[str, Any] = field(default_factory=dict)  # JSON-able run-level settings
     version: str = PROTOCOL_VERSION
-    creator: str = ""  # the creator's public key (ssh-rsa ...); part of the hash
-    signature: str = ""  # the creator's signature of the hash (base64); not part of it
+    creator: str = ""  # the creator's public key (ssh-rsa ...)
+    signature: str = ""  # the creator's signature of the hash (base64)
 
     @property
     def hash(self) -> str:
-        canonical = json.dumps(dict(run_id=self.run_id, settings=dict(self.settings), version=self.version,
-                                    **({"creator": self.creator} if self.creator else {})), sort_keys=True)
+        canonical = json.dumps(dict(run_id=self.run_id, settings=dict(self.settings), version=self.version),
+                               sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def signed(self) -> "RunManifest":
         """This manifest created and signed by this process."""
-        key = RSAPrivateKey.process_wide()
-        created = replace(self, creator=own_run_key(), signature="")
-        return replace(created, signature=key.sign(created.hash.encode()).decode())
+        signature = RSAPrivateKey.process_wide().sign(self._signed_bytes(own_run_key())).decode()
+        return replace(self, creator=own_run_key(), signature=signature)
+
+    def _signed_bytes(self, creator: str) -> bytes:
+        return f"{self.hash}|{creator}".encode()
 
     def verified(self) -> bool:
         if not self.creator or not self.signature:
             return False
         try:
-            return RSAPublicKey.from_bytes(self.creator.encode()).verify(self.hash.encode(), self.signature.encode())
+            return RSAPublicKey.from_bytes(self.creator.encode()).verify(self._signed_bytes(self.creator),
+                                                                         self.signature.encode())
         except (ValueError, TypeError):
             return False
 

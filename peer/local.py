@@ -47,6 +47,13 @@ class LocalModel:
         self.base = proxy
 
     def thaw(self) -> None:
+        """After the sync. If it took no outer step (it caught up, or found no group), the eager step the round
+        started from was never corrected: take it back out (live += theta_e - start, both as shifted by any
+        rebase), keeping the steps taken since. Left in, it would count this peer's work about 7 times over
+        (Nesterov's momentum) in its next contribution (seen: the loss of 3 overlapped peers went 3.3 -> 150)."""
+        if self.frozen is not None and not torch.equal(self.frozen, self.base):
+            with self.trainer.step_lock:
+                self.layout.add_into(self.frozen - self.base, self.trainer.params)
         self.frozen = self.frozen_moments = self.base = None
 
     def gather(self, out: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ class Tracker:
 def scalars(record: Dict[str, Any]) -> Dict[str, float]:
     """The record's numbers (booleans and None left out), keyed as in the metrics file."""
     return {k: float(v) for k, v in record.items()
-            if isinstance(v, numbers.Real) and not isinstance(v, bool) and k not in ("epoch", "time")}
+            if isinstance(v, numbers.Real) and not isinstance(v, bool) and k not in ("round", "time")}
 
 
 class TensorBoardTracker(Tracker):
@@ -39,7 +39,7 @@ class TensorBoardTracker(Tracker):
 
     def log(self, record: Dict[str, Any]) -> None:
         for name, value in scalars(record).items():
-            self.writer.add_scalar(f"peer/{name}", value, global_step=record["epoch"], walltime=record["time"])
+            self.writer.add_scalar(f"peer/{name}", value, global_step=record["round"], walltime=record["time"])
         self.writer.flush()
 
     def close(self) -> None:
@@ -56,7 +56,7 @@ class WandbTracker(Tracker):
         self.run = wandb.init(project=project, name=name, config=config)
 
     def log(self, record: Dict[str, Any]) -> None:
-        self.run.log(scalars(record), step=record["epoch"])
+        self.run.log(scalars(record), step=record["round"])
 
     def close(self) -> None:
         self.run.finish()

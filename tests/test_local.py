@@ -51,3 +51,16 @@ def test_with_overlap_the_sync_sees_theta_e_and_the_outer_update_keeps_the_new_s
     assert torch.equal(flat(params), torch.tensor([20.5, 20.5, 20.5, 20.5]))
     local.thaw()
     assert torch.equal(local.gather(torch.empty(4)), flat(params))
+
+
+def test_a_sync_that_took_no_outer_step_takes_the_eager_step_back_out():
+    """Caught up (a rebase shift) or no group: the round's work is kept, the eager proxy step is undone."""
+    local, params = make([1.0, 2.0, 3.0, 4.0])
+    local.freeze(with_moments=False)
+    local.start(torch.tensor([8.0, 9.0, 10.0, 11.0]))  # the eager step moved theta by +7
+    with torch.no_grad():
+        for p in params:
+            p.sub_(0.5)  # the next round's work so far
+    local.shift(torch.tensor([100.0, 100.0, 100.0, 100.0]))  # caught up: a rebase onto a state 100 away
+    local.thaw()
+    assert torch.equal(flat(params), torch.tensor([100.5, 101.5, 102.5, 103.5]))  # theta_e + shift + work
