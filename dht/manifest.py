@@ -67,10 +67,11 @@ class RunManifest:
                                sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
-    def signed(self) -> "RunManifest":
-        """This manifest created and signed by this process."""
-        signature = RSAPrivateKey.process_wide().sign(self._signed_bytes(own_run_key())).decode()
-        return replace(self, creator=own_run_key(), signature=signature)
+    def signed(self, key: Optional[RSAPrivateKey] = None) -> "RunManifest":
+        """This manifest created and signed by ``key`` (by default this process's)."""
+        key = key or RSAPrivateKey.process_wide()
+        creator = key.get_public_key().to_bytes().decode()
+        return replace(self, creator=creator, signature=key.sign(self._signed_bytes(creator)).decode())
 
     def _signed_bytes(self, creator: str) -> bytes:
         return f"{self.hash}|{creator}".encode()

@@ -141,9 +141,7 @@ def test_a_strangers_manifest_does_not_replace_the_run_and_run_key_pins_the_crea
     first, second = two_nodes
     real = join_or_create(first, RunManifest("run-h", {"model": "tiny"}))
     publish_record(first, "run-h", PeerRecord("peer-1", 1, "h", 10, real.hash), get_dht_time() + 60)
-    stranger_key = RSAPrivateKey()
-    fake = RunManifest("run-h", {"model": "1b"}, creator=stranger_key.get_public_key().to_bytes().decode())
-    fake = dataclasses.replace(fake, signature=stranger_key.sign(fake.hash.encode()).decode())
+    fake = RunManifest("run-h", {"model": "1b"}).signed(RSAPrivateKey())
     assert fake.verified() and publish_manifest(second, fake)
     assert fetch_manifest(second, "run-h") == real  # the manifest a live peer trains with
     assert fetch_manifest(second, "run-h", run_key=fake.creator) == fake
