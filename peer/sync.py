@@ -92,6 +92,7 @@ class Synchronizer:
         self.merged_ours = False
         self.contributions = Contributions(self.feedback.codec, run.max_staleness)
         self.recovered_tokens = 0  # tokens behind deltas carried over from a fork we left, not yet re-sent
+        self.lookup_failed = False  # the last look at the swarm's records timed out: what we know may be stale
 
     # ---- the swarm's view ----
     def my_record(self, **fields) -> PeerRecord:
@@ -103,7 +104,10 @@ class Synchronizer:
         # a lookup may miss records that the DHT holds only on nodes it cannot reach now (a partition):
         # records seen before stay known until they expire, as they would in the DHT
         now = get_dht_time()
-        fetched = fetch_records(self.dht, self.run_id, timeout=LOOKUP_TIMEOUT) or {}
+        # a lookup crosses several DHT hops: on slow links allow it what a matchmaking request may take
+        fetched = fetch_records(self.dht, self.run_id, timeout=max(LOOKUP_TIMEOUT, self.config.request_timeout))
+        self.lookup_failed = fetched is None
+        fetched = fetched or {}
         known = {pid: r for pid, r in self.records.items() if r.expires_at > now}
         for pid, record in fetched.items():  # a node cut off for a while may return an older version
             if pid != self.peer_id and (pid not in known or record.expires_at >= known[pid].expires_at):
@@ -220,7 +224,11 @@ class Synchronizer:
                          f"records {[(r.peer_id[-4:], r.epoch, r.state_hash[:6]) for r in self.records.values()]}")
             if expected == 1:  # nobody else holds our state: no one to average with now
                 behind = peers_behind(self.records.values(), self.my_record())
-                if behind and missed_rounds + 1 < MAX_MISSED:
+                if self.lookup_failed and missed_rounds + 1 < MAX_MISSED:
+                    # we could not read the swarm's records in time (slow links, a partition): stepping alone on
+                    # a view that may be empty only because it is late would fork the run
+                    result.error = "could not read the swarm's records in time; contributing next round"
+                elif behind and missed_rounds + 1 < MAX_MISSED:
                     # they adopt our state at their next round (or their records are stale, as in a
                     # partition): stepping alone now would fork the run; contribute with them next round
                     result.error = f"the {len(behind)} other live peer(s) are behind us; contributing next round"
