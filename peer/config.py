@@ -43,7 +43,7 @@ class RunConfig:
     align_every: int = opt(4, "average the inner AdamW first moment every k rounds (0 = never)")
     stale_discount: float = opt(0.5, "a contribution stale by k rounds weighs tokens x this^k in the average")
     max_staleness: int = opt(4, "rounds of unmerged work after which a peer drops it and resyncs")
-    clip_factor: float = opt(2.0, "robust aggregation: clip each part's deviation from the median to this many "
+    clip_factor: float = opt(4.0, "robust aggregation: clip each part's deviation from the median to this many "
                                   "median deviations (0 = plain weighted mean)")
     ban_after: int = opt(3, "ignore a peer's parts for the rest of the run after this many rounds with bad parts "
                             "(0 = never)")
