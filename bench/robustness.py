@@ -32,10 +32,11 @@ def run_swarm(name: str, byzantine, rounds: int, root: Path, keys: Path) -> dict
     log_dir.mkdir()
     swarm = Swarm(log_dir)
     try:
-        honest = [swarm.peer(f"p{i}", "--max-rounds", str(rounds), "--eval-every", "5", "--eval-batches", "8",
-                             "--identity-path", str(keys / f"p{i}.key")) for i in range(3)]
+        run = ("--eval-every", "5", "--eval-batches", "8")
+        honest = [swarm.peer(f"p{i}", "--max-rounds", str(rounds), *run, "--identity-path", str(keys / f"p{i}.key"))
+                  for i in range(3)]
         if byzantine:
-            swarm.peer("bad", "--max-rounds", str(rounds + 5), "--byzantine", byzantine)
+            swarm.peer("bad", "--max-rounds", str(rounds + 5), *run, "--byzantine", byzantine)
         for peer in honest:
             assert peer.wait(60 * rounds) == 0, peer.stderr[-3000:]
     finally:
