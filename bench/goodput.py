@@ -118,10 +118,7 @@ class Swarm:
         return [f"{p.name} (rc={p.popen.returncode})" for p in self.peers if not p.alive() and p not in self.killed]
 
     def signal_group(self, i: int, sig: int) -> None:
-        try:
-            os.killpg(self.peers[i].popen.pid, sig)
-        except ProcessLookupError:
-            pass
+        signal_quietly(self.peers[i], sig)
         if sig == signal.SIGKILL:
             self.peers[i].popen.wait()
             self.killed.append(self.peers[i])
@@ -133,10 +130,7 @@ class Swarm:
         try:
             live = [p for p in self.peers if p.alive()]
             for proc in live:
-                try:
-                    os.killpg(proc.popen.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+                signal_quietly(proc, signal.SIGCONT)
                 proc.signal(signal.SIGTERM)
             for proc in live:
                 try:
@@ -199,10 +193,7 @@ class SyncJob:
         return self.crashes
 
     def signal_group(self, i: int, sig: int) -> None:
-        try:
-            os.killpg(self.peers[i].popen.pid, sig)
-        except ProcessLookupError:
-            pass
+        signal_quietly(self.peers[i], sig)
         if sig == signal.SIGKILL:
             self.launch()
 
@@ -213,6 +204,14 @@ class SyncJob:
         for proc in self.procs:
             proc.kill_group()
         return {}
+
+
+def signal_quietly(proc: Proc, sig: int) -> None:
+    """Signal the process group of ``proc`` (one process, its averager, DHT and p2p daemon), gone or not."""
+    try:
+        os.killpg(proc.popen.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def free_port() -> int:
