@@ -52,8 +52,7 @@ class LocalModel:
         rebase), keeping the steps taken since. Left in, it would count this peer's work about 7 times over
         (Nesterov's momentum) in its next contribution (seen: the loss of 3 overlapped peers went 3.3 -> 150)."""
         if self.frozen is not None and not torch.equal(self.frozen, self.base):
-            with self.trainer.step_lock:
-                self.layout.add_into(self.frozen - self.base, self.trainer.params)
+            self._add_live(self.frozen - self.base)
         self.frozen = self.frozen_moments = self.base = None
 
     def gather(self, out: torch.Tensor) -> torch.Tensor:
@@ -71,19 +70,21 @@ class LocalModel:
         if self.frozen is None:
             self.layout.scatter(target, self.trainer.params)
             return
-        shift = target - self.base
-        with self.trainer.step_lock:
-            self.layout.add_into(shift, self.trainer.params)
+        self._add_live(target - self.base)
         self.frozen.copy_(target)
         self.base.copy_(target)
 
     def shift(self, shift: torch.Tensor) -> None:
         """theta <- theta + shift (a rebase onto a new lineage), on theta_e and on the live parameters."""
-        with self.trainer.step_lock:
-            self.layout.add_into(shift, self.trainer.params)
+        self._add_live(shift)
         if self.frozen is not None:
             self.frozen.add_(shift)
             self.base.add_(shift)
+
+    def _add_live(self, shift: torch.Tensor) -> None:
+        """live += shift, between two inner steps."""
+        with self.trainer.step_lock:
+            self.layout.add_into(shift, self.trainer.params)
 
     def load_first_moments(self, moments) -> None:
         with self.trainer.step_lock:

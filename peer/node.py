@@ -138,7 +138,6 @@ class Peer:
     def _resolve_manifest(self, payload: Optional[dict]) -> RunManifest:
         """The run's manifest: the swarm's if it has one, else ours (from the checkpoint or the flags)."""
         run_id = self.node.run_id
-        proposal = None
         if payload is not None:
             proposal = RunManifest.from_record(self.namespace, payload.get("manifest_record"))
             if proposal is None:
