@@ -1,81 +1,148 @@
 """M replicas of one model in one process, sharing nothing but the outer step: DiLoCo as the swarm runs it.
 
 Everything that decides what the swarm computes is the peer's own code: the inner loop (InnerTrainer),
-error feedback and the codecs, token weighting, the FMA-free Nesterov outer step and the clamped
-momentum alignment. Only the transport is replaced: the reducer's weighted average is written out here
-(what ExactAllReduceRunner's reducers compute), followed by the codec round trip of its reply.
+error feedback and the codecs, token weighting, the reducers' robust mean, the FMA-free Nesterov outer
+step and the clamped momentum alignment. Only the transport is replaced: each reducer's span of the
+vector is combined here with ``peer.robust.robust_mean`` (what ExactAllReduceRunner's reducers run on
+their parts), followed by the codec round trip of its reply.
+
+``data_parallel`` is the baseline: synchronous data-parallel training, the replicas' gradients averaged
+every step, on the same data streams, with the same inner loop and schedule.
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 from dataclasses import dataclass, field
-from typing import List
+from typing import Iterator, List, Optional, Sequence
 
 import torch
 
-from compression import get_codec
-from compression.feedback import ErrorFeedback, roundtrip
+from compression import Codec, get_codec
+from compression.feedback import CHUNK_VALUES, ErrorFeedback, roundtrip
 from peer.config import RunConfig
 from peer.data import ByteTokenizer, load_corpus
 from peer.flat import FlatLayout
 from peer.inner import InnerTrainer
 from peer.model import build_model
 from peer.outer import nesterov_step
+from peer.robust import robust_mean
 
 
 @dataclass
 class SimulationResult:
     eval_losses: List[float] = field(default_factory=list)  # held-out loss of G after each evaluated round
-    eval_rounds: List[int] = field(default_factory=list)
+    eval_rounds: List[int] = field(default_factory=list)  # rounds (data-parallel: steps) done at each evaluation
     tokens: List[int] = field(default_factory=list)  # tokens processed by all replicas, at each evaluation
-    train_loss: float = float("nan")
+    bytes_sent: List[int] = field(default_factory=list)  # encoded bytes one replica sent (mean), at each evaluation
+    initial_loss: float = float("nan")  # held-out loss of the initial model
+    train_loss: float = float("nan")  # mean training loss of the replicas' last round (or last steps)
+
+    def record(self, loss: float, rounds: int, tokens: int, bytes_sent: float) -> None:
+        self.eval_losses.append(loss)
+        self.eval_rounds.append(rounds)
+        self.tokens.append(tokens)
+        self.bytes_sent.append(int(bytes_sent))
 
 
-def weighted_average(contributions: List[torch.Tensor], weights: List[float]) -> torch.Tensor:
-    """What a reducer computes: sum of w_i * x_i over sum of w_i (then encodes it once for everyone)."""
-    total = torch.zeros_like(contributions[0])
-    for contribution, weight in zip(contributions, weights):
-        total.add_(contribution, alpha=weight)
-    return total.div_(sum(weights))
+def encoded_bytes(codec: Codec, values: torch.Tensor) -> int:
+    """Length of the codec's encoding of ``values``, chunked as the error feedback and the wire chunk them."""
+    return sum(len(codec.encode(values[start: start + CHUNK_VALUES]))
+               for start in range(0, values.numel(), CHUNK_VALUES))
 
 
-def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, seed: int = 0) -> SimulationResult:
+def reduce(contributions: Sequence[torch.Tensor], weights: Sequence[float], clip_factor: float) -> torch.Tensor:
+    """What the group's reducers compute: the butterfly gives each of the M members one contiguous span of
+    the vector (one part each at these sizes: parts are 1 MiB of encoded values), and each combines its
+    span with the peer's robust weighted mean (with every member honest, the plain weighted mean unless
+    a contribution lies past ``clip_factor`` median deviations)."""
+    size, members = contributions[0].numel(), len(contributions)
+    bounds = [size * index // members for index in range(members + 1)]
+    averaged = torch.empty_like(contributions[0])
+    for start, end in zip(bounds, bounds[1:]):
+        parts = {sender: (contribution[start:end], weight)
+                 for sender, (contribution, weight) in enumerate(zip(contributions, weights))}
+        averaged[start:end] = robust_mean(parts, clip_factor)[0]
+    return averaged
+
+
+def round_steps(inner_steps: int, paces: Sequence[float]) -> List[int]:
+    """Inner steps of each replica in one round, as the swarm schedules it (README, "What a round does"): a
+    round lasts H steps at the median member's pace (seconds per step), so a replica ``pace`` times slower
+    than the median does about H / pace steps; at least 1, at most 2H (peer/schedule.py)."""
+    length = inner_steps * statistics.median(paces)
+    return [min(2 * inner_steps, max(1, -int(-length // pace))) for pace in paces]
+
+
+def batches(stream, batch_size: int) -> Iterator[torch.Tensor]:
+    return iter(lambda: stream.next_batch(batch_size), None)
+
+
+def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, seed: int = 0,
+             paces: Optional[Sequence[float]] = None) -> SimulationResult:
+    """``rounds`` outer rounds of ``replicas`` replicas; ``paces``: each replica's seconds per inner step
+    (default: all equal), which sets its steps and so its tokens and weight in every round."""
     run = run.resolved()
     codec = get_codec(run.compression)
     corpus = load_corpus(run.dataset, ByteTokenizer(), run.seq_len, run.eval_fraction)
     eval_batches = corpus.eval_batches(run.eval_batches, run.batch_size)
-    base = build_model(run.model, 256, run.seq_len, seed)
+    base = build_model(run.model, ByteTokenizer.vocab_size, run.seq_len, seed)
     trainers = [InnerTrainer(copy.deepcopy(base), run, torch.device("cpu")) for _ in range(replicas)]
     streams = [corpus.stream(seed, f"replica-{i}", 0) for i in range(replicas)]
+    steps = round_steps(run.inner_steps, paces or [1.0] * replicas)
     layout = FlatLayout(trainers[0].params)
     params, momentum = layout.gather(trainers[0].params, layout.empty()), layout.empty()
     feedbacks = [ErrorFeedback(codec, layout.numel, enabled=run.error_feedback) for _ in range(replicas)]
-    result, tokens, train_losses = SimulationResult(), 0, []
+    result = SimulationResult(initial_loss=trainers[0].evaluate(eval_batches))
+    tokens, sent, train_losses = 0, 0, []
     for round_index in range(rounds):
         contributions, weights = [], []
-        for trainer, stream, feedback in zip(trainers, streams, feedbacks):
-            stats = trainer.train(iter(lambda s=stream: s.next_batch(run.batch_size), None), run.inner_steps,
-                                  global_step=round_index * run.inner_steps)
+        for trainer, stream, feedback, count in zip(trainers, streams, feedbacks, steps):
+            stats = trainer.train(batches(stream, run.batch_size), count, global_step=round_index * run.inner_steps)
             delta = layout.gather(trainer.params, layout.empty())
             torch.sub(params, delta, out=delta)
             feedback.commit(delta)  # delta becomes what this replica sends
+            sent += encoded_bytes(codec, delta)
             contributions.append(delta)
-            weights.append(float(stats.tokens))
+            weights.append(float(stats.tokens))  # token weighting (DESIGN.md step 2)
             tokens += stats.tokens
             train_losses.append(stats.loss)
-        averaged = roundtrip(codec, weighted_average(contributions, weights))  # the reducers' encoded reply
+        averaged = roundtrip(codec, reduce(contributions, weights, run.clip_factor))  # the reducers' encoded reply
         nesterov_step(params, momentum, averaged, run.outer_lr, run.outer_momentum)
         if run.align_every and (round_index + 1) % run.align_every == 0:
-            moments = [roundtrip(codec, layout.gather(t.first_moments(), layout.empty())) for t in trainers]
-            aligned = roundtrip(codec, weighted_average(moments, weights))
+            moments = [layout.gather(t.first_moments(), layout.empty()) for t in trainers]
+            sent += sum(encoded_bytes(codec, moment) for moment in moments)
+            moments = [roundtrip(codec, moment) for moment in moments]
+            aligned = roundtrip(codec, reduce(moments, weights, run.clip_factor))
             for trainer in trainers:
                 trainer.load_first_moments([view for _, view in layout.slices(aligned)])
         for trainer in trainers:
             layout.scatter(params, trainer.params)
         if (round_index + 1) % eval_every == 0 or round_index + 1 == rounds:
-            result.eval_losses.append(trainers[0].evaluate(eval_batches))
-            result.eval_rounds.append(round_index + 1)
-            result.tokens.append(tokens)
+            result.record(trainers[0].evaluate(eval_batches), round_index + 1, tokens, sent / replicas)
     result.train_loss = sum(train_losses[-replicas:]) / replicas
+    return result
+
+
+def data_parallel(run: RunConfig, replicas: int, steps: int, eval_every: int = 1, seed: int = 0) -> SimulationResult:
+    """Synchronous data-parallel training for ``steps`` steps: each step, every replica takes a batch from its
+    own stream and the replicas' gradients are averaged before one AdamW step (InnerTrainer accumulates the
+    M batches as M micro-batches of loss / M: the average of the M gradients), then clipped. Each replica
+    sends its full fp32 gradient every step."""
+    run = run.resolved()
+    corpus = load_corpus(run.dataset, ByteTokenizer(), run.seq_len, run.eval_fraction)
+    eval_batches = corpus.eval_batches(run.eval_batches, run.batch_size)
+    model = build_model(run.model, ByteTokenizer.vocab_size, run.seq_len, seed)
+    trainer = InnerTrainer(model, run, torch.device("cpu"), micro_batch=run.batch_size)
+    streams = [corpus.stream(seed, f"replica-{i}", 0) for i in range(replicas)]
+    gradient_bytes = get_codec("none").wire_bytes(sum(p.numel() for p in trainer.params))
+    together = iter(lambda: torch.cat([stream.next_batch(run.batch_size) for stream in streams]), None)
+    result = SimulationResult(initial_loss=trainer.evaluate(eval_batches))
+    done = tokens = 0
+    while done < steps:
+        stats = trainer.train(together, min(eval_every, steps - done), global_step=done)
+        done, tokens = done + stats.steps, tokens + stats.tokens
+        result.record(trainer.evaluate(eval_batches), done, tokens, done * gradient_bytes)
+        result.train_loss = stats.loss
     return result

@@ -1,0 +1,504 @@
+"""Convergence: DiLoCo as the swarm runs it against synchronous data-parallel training, on held-out text.
+
+    python -m bench.convergence --out bench/results/convergence.md --plot bench/results/convergence.png
+    python -m bench.convergence --quick                   # a small sweep for CI, well under a minute
+    python -m bench.convergence --multi-peer --out bench/results/convergence.md
+
+The sweep simulates M replicas in one process (bench/simulation.py: the peer's own inner loop, codecs,
+error feedback, token weighting, robust mean, outer Nesterov step and momentum alignment) and varies one
+axis at a time around the centre (M=4, H=100, int4, momentum alignment and error feedback on): M, H,
+codec, alignment, error feedback, one replica 3x slower, and the outer learning rate. Every cell gets
+the same token budget and is run for each seed; its baseline is synchronous data-parallel training of
+the same model on the same M data streams, the gradients averaged every step, for the same tokens and
+optimizer steps. Reported per cell: held-out eval loss (mean over seeds), its gap to data-parallel,
+encoded bytes sent per replica, and data-parallel's bytes (the fp32 gradient every step) over those.
+
+The model is a 0.16M-parameter Llama (hidden 64, 2 layers, byte vocabulary), registered here as the
+preset ``micro``: a CPU sweep of ~30 runs fits in about an hour of one core only at this size.
+
+``--multi-peer`` is the check that the simulation measures the product: a bootstrap ``python -m dht`` and
+3 real ``python -m peer`` processes on loopback train the tiny preset for 20 rounds; their final held-out
+eval loss is compared with ``simulate()`` of the same configuration at 2 seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from bench.simulation import SimulationResult, data_parallel, round_steps, simulate
+from compression import get_codec
+from peer.config import RunConfig
+from peer.model import PRESETS, Preset, build_model, count_parameters
+
+MODEL = "micro"
+PRESETS.setdefault(MODEL, Preset(hidden=64, layers=2, heads=4, kv_heads=4, intermediate=256, tokenizer="bytes",
+                                 seq_len=64, batch_size=8, lr=3e-3, warmup_steps=50, inner_steps=100))
+AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "averaging")
+SLOWDOWN = 3.0  # the slow replica's seconds per inner step, relative to the others
+QUICK = dict(tokens=80_000, replicas=2, inner_steps=10, seeds=[0], axes=["codec", "alignment", "feedback"],
+             codecs=["none"], eval_batches=4, evals=4, warmup_steps=20)
+SECTION = "<!-- convergence:{name} -->"
+SECTION_END = "<!-- /convergence:{name} -->"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One DiLoCo configuration of the sweep."""
+
+    axis: str  # what differs from the centre ("centre" for the centre itself)
+    replicas: int
+    inner_steps: int
+    compression: str
+    align: bool
+    feedback: bool
+    slow: bool = False
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    @property
+    def label(self) -> str:
+        return {"centre": "centre", "M": f"M={self.replicas}", "H": f"H={self.inner_steps}",
+                "codec": f"codec {self.compression}", "alignment": f"alignment {'on' if self.align else 'off'}",
+                "feedback": f"error feedback {'on' if self.feedback else 'off'}",
+                "slow": f"one replica {SLOWDOWN:g}x slower", "outer-lr": f"outer lr {self.outer_lr:g}",
+                "averaging": "plain averaging (outer lr 1, momentum 0)"}[self.axis]
+
+    def paces(self) -> List[float]:
+        return [1.0] * (self.replicas - 1) + [SLOWDOWN if self.slow else 1.0]
+
+
+def cells(args) -> List[Cell]:
+    """The centre, then one axis at a time."""
+    centre = Cell("centre", args.replicas, args.inner_steps, args.compression, True, True)
+    varied = {
+        "M": [dataclasses.replace(centre, axis="M", replicas=m) for m in args.sweep_replicas],
+        "H": [dataclasses.replace(centre, axis="H", inner_steps=h) for h in args.sweep_inner_steps],
+        "codec": [dataclasses.replace(centre, axis="codec", compression=c) for c in args.codecs],
+        "alignment": [dataclasses.replace(centre, axis="alignment", align=False)],
+        "feedback": [dataclasses.replace(centre, axis="feedback", feedback=False)],
+        "slow": [dataclasses.replace(centre, axis="slow", slow=True)],
+        "outer-lr": [dataclasses.replace(centre, axis="outer-lr", outer_lr=lr) for lr in args.outer_lrs],
+        "averaging": [dataclasses.replace(centre, axis="averaging", outer_lr=1.0, outer_momentum=0.0)],
+    }
+    same = dataclasses.replace(centre, axis="")
+    return [centre] + [cell for axis in args.axes for cell in varied[axis]
+                       if dataclasses.replace(cell, axis="") != same]
+
+
+def base_run(args, **settings) -> RunConfig:
+    return RunConfig(model=MODEL, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                     warmup_steps=args.warmup_steps, eval_batches=args.eval_batches, **settings)
+
+
+def cell_rounds(cell: Cell, args) -> int:
+    """Rounds that spend the token budget (a slow replica's rounds hold fewer tokens, so it gets more)."""
+    per_round = sum(round_steps(cell.inner_steps, cell.paces())) * args.batch_size * args.seq_len
+    return max(1, round(args.tokens / per_round))
+
+
+def cell_run(cell: Cell, args) -> RunConfig:
+    rounds = cell_rounds(cell, args)
+    return base_run(args, inner_steps=cell.inner_steps, lr_decay_steps=rounds * cell.inner_steps,
+                    compression=cell.compression, error_feedback=cell.feedback,
+                    align_every=args.align_every if cell.align else 0, outer_lr=cell.outer_lr,
+                    outer_momentum=cell.outer_momentum)
+
+
+def dp_steps(replicas: int, args) -> int:
+    return max(1, round(args.tokens / (replicas * args.batch_size * args.seq_len)))
+
+
+def dp_eval_every(replicas: int, args) -> int:
+    """Data-parallel evaluates where DiLoCo with H = the centre's and this M does (a round of H steps on each
+    replica holds as many tokens as H data-parallel steps), so their gap needs no interpolation."""
+    cell = Cell("M", replicas, args.inner_steps, args.compression, True, True)
+    return args.inner_steps * max(1, cell_rounds(cell, args) // args.evals)
+
+
+class Runs:
+    """Each simulation the report needs, run once; with a cache file, kept there so that a rerun resumes."""
+
+    def __init__(self, path: Optional[Path]):
+        self.path = path
+        self.done: Dict[str, dict] = json.loads(path.read_text()) if path and path.exists() else {}
+
+    def _get(self, key: dict, compute) -> SimulationResult:
+        text = json.dumps(key, sort_keys=True)
+        if text not in self.done:
+            start, cpu = time.perf_counter(), time.process_time()
+            self.done[text] = dataclasses.asdict(compute())
+            print(f"{key['kind']} {key.get('label', '')} M={key['replicas']} seed={key['seed']}: "
+                  f"eval {self.done[text]['eval_losses'][-1]:.4f} ({time.perf_counter() - start:.0f}s wall, "
+                  f"{time.process_time() - cpu:.0f}s cpu)", flush=True)
+            if self.path:
+                self.path.write_text(json.dumps(self.done))
+        return SimulationResult(**self.done[text])
+
+    def diloco(self, cell: Cell, args, seed: int) -> SimulationResult:
+        run, rounds = cell_run(cell, args), cell_rounds(cell, args)
+        every = max(1, rounds // args.evals)
+        key = dict(kind="diloco", label=cell.label, settings=run.to_settings(), replicas=cell.replicas,
+                   rounds=rounds, paces=cell.paces(), seed=seed, eval_every=every)
+        return self._get(key, lambda: simulate(run, cell.replicas, rounds, every, seed, cell.paces()))
+
+    def data_parallel(self, replicas: int, args, seed: int) -> SimulationResult:
+        steps = dp_steps(replicas, args)
+        run, every = base_run(args, lr_decay_steps=steps), dp_eval_every(replicas, args)
+        key = dict(kind="data-parallel", settings=run.to_settings(), replicas=replicas, steps=steps, seed=seed,
+                   eval_every=every)
+        return self._get(key, lambda: data_parallel(run, replicas, steps, every, seed))
+
+
+@dataclass
+class Row:
+    label: str
+    cell: Optional[Cell]  # None: data-parallel
+    replicas: int
+    results: List[SimulationResult]  # one per seed
+    baseline: List[SimulationResult]  # data-parallel with the same M, per seed
+
+    @property
+    def loss(self) -> float:
+        return statistics.mean(r.eval_losses[-1] for r in self.results)
+
+    @property
+    def gap(self) -> float:
+        """Eval-loss gap to data-parallel in %, of the means over seeds."""
+        return 100 * (self.loss / statistics.mean(r.eval_losses[-1] for r in self.baseline) - 1)
+
+    @property
+    def bytes_sent(self) -> float:
+        return statistics.mean(r.bytes_sent[-1] for r in self.results)
+
+    @property
+    def ratio(self) -> float:
+        return statistics.mean(r.bytes_sent[-1] for r in self.baseline) / self.bytes_sent
+
+    def curve(self):
+        """(tokens, eval loss mean over seeds): every seed evaluates at the same token counts."""
+        return np.array(self.results[0].tokens), np.mean([r.eval_losses for r in self.results], axis=0)
+
+    def gap_curve(self):
+        """(tokens, gap in % to data-parallel interpolated at those tokens)."""
+        tokens, loss = self.curve()
+        base = Row("", None, self.replicas, self.baseline, self.baseline).curve()
+        return tokens, 100 * (loss / np.interp(tokens, *base) - 1)
+
+
+def run_sweep(args) -> List[Row]:
+    runs = Runs(args.cache)
+    sweep = cells(args)
+    baselines = {m: [runs.data_parallel(m, args, seed) for seed in args.seeds]
+                 for m in sorted({cell.replicas for cell in sweep})}
+    rows = [Row(f"data-parallel M={m}", None, m, results, results) for m, results in baselines.items()]
+    for cell in sweep:
+        results = [runs.diloco(cell, args, seed) for seed in args.seeds]
+        rows.append(Row(cell.label, cell, cell.replicas, results, baselines[cell.replicas]))
+    return rows
+
+
+def fmt_bytes(count: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count:.0f} B"
+
+
+def table(rows: List[Row], args) -> str:
+    seeds = " / ".join(f"seed {seed}" for seed in args.seeds)
+    lines = [f"| cell | M | H | codec | alignment | error feedback | rounds (steps) | eval loss ({seeds}) | mean | "
+             f"gap to data-parallel | bytes sent per replica | data-parallel's bytes / these |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        cell, per_seed = row.cell, " / ".join(f"{r.eval_losses[-1]:.4f}" for r in row.results)
+        if cell is None:
+            settings = f"{row.replicas} | every step | fp32 | - | - | ({row.results[0].eval_rounds[-1]})"
+        else:
+            settings = (f"{cell.replicas} | {cell.inner_steps} | {cell.compression} | "
+                        f"{f'every {args.align_every}' if cell.align else 'off'} | {'on' if cell.feedback else 'off'} "
+                        f"| {row.results[0].eval_rounds[-1]}")
+        lines.append(f"| {row.label} | {settings} | {per_seed} | {row.loss:.4f} | {row.gap:+.2f}% | "
+                     f"{fmt_bytes(row.bytes_sent)} | {row.ratio:,.0f}x |")
+    return "\n".join(lines)
+
+
+def find(rows: List[Row], label: str) -> Optional[Row]:
+    return next((row for row in rows if row.label == label), None)
+
+
+def goal(rows: List[Row], args) -> str:
+    centre = find(rows, "centre")
+    codec = get_codec(args.compression)
+    bits = 8 * codec.wire_bytes(1 << 20) / (1 << 20)
+    ceiling = args.inner_steps * 32 / bits / (1 + 1 / args.align_every)
+    return "\n".join([
+        f"- Eval-loss gap of the centre to data-parallel: **{centre.gap:+.2f}%** (goal: at most +1%: "
+        f"**{'met' if centre.gap <= 1 else 'not met'}**).",
+        f"- Bytes: data-parallel sends **{centre.ratio:,.0f}x** the centre's (goal: at least 1000x: "
+        f"**{'met' if centre.ratio >= 1000 else 'not met'}**). By construction: a replica sends one encoded "
+        f"pseudo-gradient every H={args.inner_steps} steps, {args.compression} at {bits:.2f} bits a value, plus "
+        f"its encoded first moment every {args.align_every} rounds, where data-parallel sends 32 bits a value "
+        f"every step: {args.inner_steps} x 32 / {bits:.2f} / (1 + 1/{args.align_every}) = {ceiling:,.0f}x, "
+        f"whatever the model. Both all-reduces move 2(M-1)/M of these bytes per replica, which cancels.",
+    ])
+
+
+def gap_over_training(rows: List[Row]) -> str:
+    """The centre's gap at each of its evaluations, and every cell's gap at its end."""
+    centre = find(rows, "centre")
+    tokens, gaps = centre.gap_curve()
+    loss = centre.curve()[1]
+    lines = ["| tokens | centre's round | centre eval loss | gap to data-parallel |", "|---|---|---|---|"]
+    for index, (count, gap) in enumerate(zip(tokens, gaps)):
+        lines.append(f"| {count / 1e6:.2f}M | {centre.results[0].eval_rounds[index]} | {loss[index]:.4f} | "
+                     f"{gap:+.2f}% |")
+    return "\n".join(lines)
+
+
+def effects(rows: List[Row]) -> str:
+    """What turning alignment or error feedback off changes, measured against the centre, seed by seed."""
+    centre, lines = find(rows, "centre"), []
+    for label, what in (("alignment off", "momentum alignment"), ("error feedback off", "error feedback")):
+        row = find(rows, label)
+        if row is None:
+            continue
+        per_seed = [100 * (r.eval_losses[-1] / c.eval_losses[-1] - 1) for r, c in zip(row.results, centre.results)]
+        lines.append(f"- Without {what}: eval loss {row.loss:.4f} against {centre.loss:.4f} "
+                     f"({', '.join(f'{d:+.2f}%' for d in per_seed)} per seed), bytes "
+                     f"{fmt_bytes(row.bytes_sent)} against {fmt_bytes(centre.bytes_sent)}.")
+    return "\n".join(lines)
+
+
+def plot(rows: List[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    centre = find(rows, "centre")
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    dp = find(rows, f"data-parallel M={centre.replicas}")
+    left.plot(*dp.curve(), "k-", lw=2, label=dp.label)
+    shown = [centre] + [row for row in rows if row.cell is not None and row.cell.axis == "H"]
+    for row in sorted(shown, key=lambda r: r.cell.inner_steps):
+        style = dict(lw=2.5) if row is centre else dict(lw=1, alpha=0.8)
+        left.plot(*row.curve(), marker=".", label=f"DiLoCo {row.label}, H={row.cell.inner_steps}"
+                  if row is centre else f"DiLoCo {row.label}", **style)
+        right.plot(*row.gap_curve(), marker=".", label=left.get_lines()[-1].get_label(), **style)
+    for row in rows:
+        if row.cell is not None and row.cell.axis in ("alignment", "feedback", "slow", "outer-lr", "averaging"):
+            right.plot(*row.gap_curve(), ls="--", lw=1, label=f"DiLoCo {row.label}")
+    left.set(xlabel="tokens (all replicas)", ylabel="held-out eval loss",
+             title=f"M={centre.replicas}, {centre.cell.compression}: eval loss")
+    lowest, dp_losses = min(line.get_ydata().min() for line in left.get_lines()), dp.curve()[1]
+    left.set_ylim(lowest - 0.05, dp_losses[min(1, len(dp_losses) - 1)])  # from data-parallel's 2nd evaluation
+    right.axhline(1.0, color="grey", ls=":", lw=1, label="goal: +1%")
+    right.axhline(0.0, color="k", lw=0.8)
+    right.set(xlabel="tokens (all replicas)", ylabel="gap to data-parallel (%)",
+              title="gap to data-parallel at the same tokens")
+    right.set_ylim(min(-2.0, right.get_ylim()[0]), min(right.get_ylim()[1], 40))
+    for axes in (left, right):
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def setup(args) -> str:
+    numel = count_parameters(build_model(MODEL, 256, args.seq_len, 0))
+    preset = PRESETS[MODEL]
+    from peer.data import ByteTokenizer, load_corpus
+
+    corpus = load_corpus("shakespeare", ByteTokenizer(), args.seq_len, RunConfig().eval_fraction)
+    eval_tokens = min(len(corpus.held_out) // args.seq_len, args.eval_batches * args.batch_size) * args.seq_len
+    return (f"Model `{MODEL}` (registered by this benchmark): Llama, hidden {preset.hidden}, {preset.layers} layers, "
+            f"MLP {preset.intermediate}, byte vocabulary, {numel:,} parameters. Each replica steps on "
+            f"{args.batch_size} x {args.seq_len} tokens; inner AdamW lr {args.lr:g}, {args.warmup_steps} warmup "
+            f"steps, cosine to 10% over the run, clip 1.0, weight decay 0.1. Outer Nesterov lr 0.7 (unless the cell "
+            f"says otherwise), momentum 0.9; robust mean clip factor 4; alignment every {args.align_every} "
+            f"rounds. Every cell: {args.tokens / 1e6:.2f}M tokens over all replicas "
+            f"({args.tokens / len(corpus.train):.0%} of one pass over the {len(corpus.train) / 1e6:.2f}M training "
+            f"tokens, so no window is seen twice); held-out: the first {eval_tokens:,} tokens of the 2% tail of "
+            f"every play. Seeds {', '.join(map(str, args.seeds))} (initial weights and data order; DiLoCo and "
+            f"data-parallel with one seed see the same M streams).")
+
+
+def sweep_report(rows: List[Row], args, argv: Sequence[str], seconds: float) -> str:
+    command = shlex.join(["python", "-m", "bench.convergence", *argv])
+    initial = statistics.mean(r.initial_loss for r in rows[0].results)
+    parts = [f"Command: `{command}` ({seconds / 60:.0f} min on {torch.get_num_threads()} thread(s))",
+             setup(args) + f" Initial held-out loss: {initial:.4f}.",
+             "## Goal\n\n" + goal(rows, args),
+             "## Every cell\n\n" + table(rows, args),
+             "## The centre's gap over training\n\n" + gap_over_training(rows)]
+    if effects(rows):
+        parts.append("## Momentum alignment and error feedback, as measured\n\n" + effects(rows))
+    return "\n\n".join(parts)
+
+
+def write_section(path: Path, name: str, text: str, title: str) -> None:
+    """Put ``text`` between this section's markers in ``path``, keeping everything else there."""
+    start, end = SECTION.format(name=name), SECTION_END.format(name=name)
+    block = f"{start}\n{text}\n{end}"
+    old = path.read_text() if path.exists() else f"# {title}\n"
+    if start in old and end in old:
+        new = old[: old.index(start)] + block + old[old.index(end) + len(end):]
+    else:
+        new = old.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(new)
+
+
+# ---------------------------------------------------------------- the multi-peer check
+def multi_peer_settings(args) -> Dict[str, object]:
+    """The run settings the real peers share and the simulation uses: the tiny preset at the tests' batch size."""
+    return dict(model="tiny", batch_size=4, seq_len=64, lr=0.003, warmup_steps=5, inner_steps=args.peer_inner_steps,
+                lr_decay_steps=args.rounds * args.peer_inner_steps, compression=args.compression,
+                align_every=args.align_every, eval_every=5, eval_batches=args.peer_eval_batches, seed=0)
+
+
+def as_flags(settings: Dict[str, object]) -> List[str]:
+    return [item for name, value in settings.items() for item in (f"--{name.replace('_', '-')}", str(value))]
+
+
+def run_peers(args, log_dir: Path) -> List[List[dict]]:
+    """A bootstrap node and ``--peers`` real peers on loopback until each has done ``--rounds`` rounds; every
+    process runs in its own session, and all are killed (their process groups) at the end."""
+    from tests.swarm import Swarm
+
+    swarm = Swarm(log_dir)
+    try:
+        peers = [swarm.peer(f"p{i}", *as_flags(multi_peer_settings(args)), "--max-rounds", str(args.rounds), "--run-id",
+                            "convergence", "--min-step-seconds", str(args.min_step_seconds))
+                 for i in range(args.peers)]
+        for peer in peers:
+            code = peer.wait(args.peer_timeout)
+            if code != 0:
+                raise RuntimeError(f"{peer.name} exited with {code}:\n{peer.stderr[-3000:]}")
+        return [peer.metrics for peer in peers]
+    finally:
+        swarm.close()
+
+
+def multi_peer_report(metrics: List[List[dict]], simulated: List[SimulationResult], args, argv, log_dir) -> str:
+    final = {}
+    for records in metrics:
+        for record in records:
+            if record["applied"] and record["eval_loss"] is not None:
+                final.setdefault(record["epoch"], {})[record["peer_id"]] = record["eval_loss"]
+    epoch = max(e for e in final if e in simulated[0].eval_rounds)
+    real = statistics.mean(final[epoch].values())
+    sim = [r.eval_losses[r.eval_rounds.index(epoch)] for r in simulated]
+    spread, distance = max(sim) - min(sim), abs(real - statistics.mean(sim))
+    steps = [r["inner_steps"] for records in metrics for r in records]
+    groups = sorted({r["group_size"] for records in metrics for r in records})
+    sent = statistics.mean(r["bytes_sent"] for records in metrics for r in records[1:])
+    simulated_sent = simulated[0].bytes_sent[-1] / args.rounds
+    command = shlex.join(["python", "-m", "bench.convergence", *argv])
+    lines = [
+        "## Multi-peer check: the product against the simulation", "",
+        f"Command: `{command}` (logs in {log_dir})", "",
+        f"{args.peers} real `python -m peer` processes and a `python -m dht` bootstrap on loopback, run settings: "
+        f"`{' '.join(as_flags(multi_peer_settings(args)))}` (tiny preset, 3.2M parameters; `--min-step-seconds "
+        f"{args.min_step_seconds:g}` gives every peer the same pace on a shared CPU), {args.rounds} rounds each. "
+        f"Against `simulate()` of the same configuration with M={args.peers}, seeds "
+        f"{', '.join(map(str, args.peer_seeds))}.", "",
+        "| | eval loss at epoch " + str(epoch) + " |", "|---|---|",
+        f"| real peers (all {len(final[epoch])} hold the same G) | {real:.4f} |",
+    ]
+    lines += [f"| simulation, seed {seed} | {loss:.4f} |" for seed, loss in zip(args.peer_seeds, sim)]
+    verdict = "within" if distance <= max(spread, 1e-9) else "outside"
+    lines += ["", f"The real swarm is {distance:.4f} from the simulations' mean; the two simulation seeds are "
+              f"{spread:.4f} apart: **{verdict} seed noise**. Inner steps per peer and round: "
+              f"{min(steps)}-{max(steps)} (mean {statistics.mean(steps):.1f}, the simulation does exactly "
+              f"{args.peer_inner_steps}); group sizes seen: {groups}. Bytes a real peer sent per round (transport, "
+              f"matchmaking included): {fmt_bytes(sent)}; the simulation counts {fmt_bytes(simulated_sent)} "
+              f"per round (one encoded copy of what it contributes; the butterfly sends 2(M-1)/M of it, plus "
+              f"framing)."]
+    return "\n".join(lines)
+
+
+def multi_peer(args, argv) -> str:
+    log_dir = Path(tempfile.mkdtemp(prefix="convergence_"))
+    print(f"logs: {log_dir}", flush=True)
+    metrics = run_peers(args, log_dir)
+    run = RunConfig(**multi_peer_settings(args))
+    simulated = [simulate(run, args.peers, args.rounds, 5, seed) for seed in args.peer_seeds]
+    return multi_peer_report(metrics, simulated, args, argv, log_dir)
+
+
+# ---------------------------------------------------------------- command line
+def parse_args(argv: Sequence[str]):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"a small sweep for CI: {QUICK}")
+    parser.add_argument("--tokens", type=int, default=3_000_000, help="tokens per cell, over all replicas")
+    parser.add_argument("--replicas", type=int, default=4, help="the centre's M")
+    parser.add_argument("--inner-steps", type=int, default=100, help="the centre's H")
+    parser.add_argument("--compression", default="int4", help="the centre's codec")
+    parser.add_argument("--align-every", type=int, default=4, help="momentum alignment every k rounds, where on")
+    parser.add_argument("--axes", nargs="*", default=list(AXES), choices=AXES)
+    parser.add_argument("--sweep-replicas", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--sweep-inner-steps", type=int, nargs="*", default=[10, 50, 100, 250])
+    parser.add_argument("--codecs", nargs="*", default=["none", "fp16", "int8", "int4"])
+    parser.add_argument("--outer-lrs", type=float, nargs="*", default=[0.4, 1.0])
+    parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--eval-batches", type=int, default=64)
+    parser.add_argument("--evals", type=int, default=12, help="evaluations per run")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cache", type=Path, help="keep finished runs in this JSON file; a rerun resumes from it")
+    parser.add_argument("--out", type=Path, help="write the report into this markdown file (its own section)")
+    parser.add_argument("--plot", type=Path, help="write the plot to this PNG file")
+    peers = parser.add_argument_group("the multi-peer check")
+    peers.add_argument("--multi-peer", action="store_true")
+    peers.add_argument("--peers", type=int, default=3)
+    peers.add_argument("--rounds", type=int, default=20)
+    peers.add_argument("--peer-inner-steps", type=int, default=20)
+    peers.add_argument("--peer-eval-batches", type=int, default=16)
+    peers.add_argument("--peer-seeds", type=int, nargs="*", default=[0, 1])
+    peers.add_argument("--min-step-seconds", type=float, default=0.3)
+    peers.add_argument("--peer-timeout", type=float, default=1200.0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    title = "Convergence: DiLoCo against synchronous data-parallel training"
+    start = time.perf_counter()
+    if args.multi_peer:
+        text, name = multi_peer(args, argv), "multi-peer"
+    else:
+        rows = run_sweep(args)
+        text, name = sweep_report(rows, args, argv, time.perf_counter() - start), "sweep"
+        if args.plot:
+            plot(rows, args.plot)
+    print(text, flush=True)
+    if args.out:
+        write_section(args.out, name, text, title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
