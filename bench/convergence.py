@@ -7,14 +7,15 @@
 The sweep simulates M replicas in one process (bench/simulation.py: the peer's own inner loop, codecs,
 error feedback, token weighting, robust mean, outer Nesterov step and momentum alignment) and varies one
 axis at a time around the centre (M=4, H=100, int4, momentum alignment and error feedback on): M, H,
-codec, alignment, error feedback, one replica 3x slower, and the outer learning rate. Every cell gets
+codec, alignment, error feedback, one replica 3x slower; and, to show where a gap comes from, the outer
+learning rate and plain averaging (outer lr 1, no momentum). Every cell gets
 the same token budget and is run for each seed; its baseline is synchronous data-parallel training of
 the same model on the same M data streams, the gradients averaged every step, for the same tokens and
 optimizer steps. Reported per cell: held-out eval loss (mean over seeds), its gap to data-parallel,
 encoded bytes sent per replica, and data-parallel's bytes (the fp32 gradient every step) over those.
 
 The model is a 0.16M-parameter Llama (hidden 64, 2 layers, byte vocabulary), registered here as the
-preset ``micro``: a CPU sweep of ~30 runs fits in about an hour of one core only at this size.
+preset ``micro``: a CPU sweep of 36 runs fits in about an hour of one core only at this size.
 
 ``--multi-peer`` is the check that the simulation measures the product: a bootstrap ``python -m dht`` and
 3 real ``python -m peer`` processes on loopback train the tiny preset for 20 rounds; their final held-out
@@ -45,7 +46,7 @@ from peer.model import PRESETS, Preset, build_model, count_parameters
 
 MODEL = "micro"
 PRESETS.setdefault(MODEL, Preset(hidden=64, layers=2, heads=4, kv_heads=4, intermediate=256, tokenizer="bytes",
-                                 seq_len=64, batch_size=8, lr=3e-3, warmup_steps=50, inner_steps=100))
+                                 seq_len=64, batch_size=8, lr=6e-3, warmup_steps=50, inner_steps=100))
 AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "averaging")
 SLOWDOWN = 3.0  # the slow replica's seconds per inner step, relative to the others
 QUICK = dict(tokens=80_000, replicas=2, inner_steps=10, seeds=[0], axes=["codec", "alignment", "feedback"],
@@ -444,7 +445,7 @@ def multi_peer(args, argv) -> str:
 def parse_args(argv: Sequence[str]):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"a small sweep for CI: {QUICK}")
-    parser.add_argument("--tokens", type=int, default=3_000_000, help="tokens per cell, over all replicas")
+    parser.add_argument("--tokens", type=int, default=2_500_000, help="tokens per cell, over all replicas")
     parser.add_argument("--replicas", type=int, default=4, help="the centre's M")
     parser.add_argument("--inner-steps", type=int, default=100, help="the centre's H")
     parser.add_argument("--compression", default="int4", help="the centre's codec")
@@ -457,7 +458,7 @@ def parse_args(argv: Sequence[str]):
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=6e-3)
     parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--eval-batches", type=int, default=64)
     parser.add_argument("--evals", type=int, default=12, help="evaluations per run")
