@@ -394,41 +394,72 @@ def run_peers(args, log_dir: Path) -> List[List[dict]]:
         swarm.close()
 
 
-def multi_peer_report(metrics: List[List[dict]], simulated: List[SimulationResult], args, argv, log_dir) -> str:
-    final = {}
+def peer_schedule(metrics: List[List[dict]], peers: int) -> Optional[List[List[int]]]:
+    """The real peers' inner steps, ``[round][peer]``, if every round of every peer was applied in a full group,
+    so that the simulation can replay them; else None."""
+    steps = []
+    for records in metrics:
+        if not all(r["applied"] and r["group_size"] == peers for r in records):
+            return None
+        steps.append([r["inner_steps"] for r in sorted(records, key=lambda r: r["epoch"])])
+    return [list(round_steps) for round_steps in zip(*steps)] if len({len(s) for s in steps}) == 1 else None
+
+
+def real_evaluations(metrics: List[List[dict]]) -> Dict[int, List[float]]:
+    """{epoch: the held-out losses the peers that applied it report}."""
+    losses: Dict[int, List[float]] = {}
     for records in metrics:
         for record in records:
             if record["applied"] and record["eval_loss"] is not None:
-                final.setdefault(record["epoch"], {})[record["peer_id"]] = record["eval_loss"]
-    epoch = max(e for e in final if e in simulated[0].eval_rounds)
-    real = statistics.mean(final[epoch].values())
-    sim = [r.eval_losses[r.eval_rounds.index(epoch)] for r in simulated]
-    spread, distance = max(sim) - min(sim), abs(real - statistics.mean(sim))
+                losses.setdefault(record["epoch"], []).append(record["eval_loss"])
+    return losses
+
+
+def compare(real: float, simulated: List[float]) -> str:
+    distance, spread = abs(real - statistics.mean(simulated)), max(simulated) - min(simulated)
+    verdict = "within" if distance <= spread else "outside"
+    return (f"{distance:.4f} from their mean, the seeds {spread:.4f} apart: **{verdict} seed noise** "
+            f"({100 * (real / statistics.mean(simulated) - 1):+.2f}%)")
+
+
+def multi_peer_report(metrics: List[List[dict]], simulations: Dict[str, List[SimulationResult]], args, argv,
+                      log_dir: Path) -> str:
+    evaluations = real_evaluations(metrics)
+    reference = next(iter(simulations.values()))[0]
+    epoch = max(e for e in evaluations if e in reference.eval_rounds)
+    real = statistics.mean(evaluations[epoch])
     steps = [r["inner_steps"] for records in metrics for r in records]
     groups = sorted({r["group_size"] for records in metrics for r in records})
     sent = statistics.mean(r["bytes_sent"] for records in metrics for r in records[1:])
-    simulated_sent = simulated[0].bytes_sent[-1] / args.rounds
+    simulated_sent = reference.bytes_sent[-1] / args.rounds
     command = shlex.join(["python", "-m", "bench.convergence", *argv])
     lines = [
         "## Multi-peer check: the product against the simulation", "",
         f"Command: `{command}` (logs in {log_dir})", "",
-        f"{args.peers} real `python -m peer` processes and a `python -m dht` bootstrap on loopback, run settings: "
-        f"`{' '.join(as_flags(multi_peer_settings(args)))}` (tiny preset, 3.2M parameters; `--min-step-seconds "
+        f"{args.peers} real `python -m peer` processes and a `python -m dht` bootstrap on loopback, with the tests' "
+        f"node flags (tests/swarm.py) and the run settings `{' '.join(as_flags(multi_peer_settings(args)))}` (the "
+        f"tiny preset, 3.2M parameters: `python -m peer` has no smaller one; `--min-step-seconds "
         f"{args.min_step_seconds:g}` gives every peer the same pace on a shared CPU), {args.rounds} rounds each. "
-        f"Against `simulate()` of the same configuration with M={args.peers}, seeds "
-        f"{', '.join(map(str, args.peer_seeds))}.", "",
-        "| | eval loss at epoch " + str(epoch) + " |", "|---|---|",
-        f"| real peers (all {len(final[epoch])} hold the same G) | {real:.4f} |",
+        f"Against `simulate()` of the same configuration with M={args.peers}: with exactly H steps a round, and "
+        f"replaying the steps each real peer did in each round (the swarm's schedule gives each peer H steps at the "
+        f"median pace, so they vary).", "",
+        f"| | eval loss at epoch {epoch} |", "|---|---|",
+        f"| real peers ({len(evaluations[epoch])} evaluated G at epoch {epoch}: "
+        f"{' / '.join(f'{x:.4f}' for x in evaluations[epoch])}) | {real:.4f} |",
     ]
-    lines += [f"| simulation, seed {seed} | {loss:.4f} |" for seed, loss in zip(args.peer_seeds, sim)]
-    verdict = "within" if distance <= max(spread, 1e-9) else "outside"
-    lines += ["", f"The real swarm is {distance:.4f} from the simulations' mean; the two simulation seeds are "
-              f"{spread:.4f} apart: **{verdict} seed noise**. Inner steps per peer and round: "
-              f"{min(steps)}-{max(steps)} (mean {statistics.mean(steps):.1f}, the simulation does exactly "
-              f"{args.peer_inner_steps}); group sizes seen: {groups}. Bytes a real peer sent per round (transport, "
-              f"matchmaking included): {fmt_bytes(sent)}; the simulation counts {fmt_bytes(simulated_sent)} "
-              f"per round (one encoded copy of what it contributes; the butterfly sends 2(M-1)/M of it, plus "
-              f"framing)."]
+    for name, results in simulations.items():
+        lines += [f"| {name}, seed {seed} | {r.eval_losses[r.eval_rounds.index(epoch)]:.4f} |"
+                  for seed, r in zip(args.peer_seeds, results)]
+    lines.append("")
+    for name, results in simulations.items():
+        lines.append(f"- Against the {name}: the real swarm is "
+                     f"{compare(real, [r.eval_losses[r.eval_rounds.index(epoch)] for r in results])}.")
+    lines += [f"- Inner steps per peer and round: {min(steps)}-{max(steps)}, mean {statistics.mean(steps):.2f} "
+              f"(H={args.peer_inner_steps}); group sizes seen: {groups}.",
+              f"- Bytes a real peer sent per round after the first (transport, matchmaking included): "
+              f"{fmt_bytes(sent)}; the simulation counts {fmt_bytes(simulated_sent)} a round (one encoded copy of "
+              f"what a replica contributes), and the butterfly sends 2(M-1)/M of that: "
+              f"{fmt_bytes(simulated_sent * 2 * (args.peers - 1) / args.peers)}."]
     return "\n".join(lines)
 
 
@@ -437,8 +468,12 @@ def multi_peer(args, argv) -> str:
     print(f"logs: {log_dir}", flush=True)
     metrics = run_peers(args, log_dir)
     run = RunConfig(**multi_peer_settings(args))
-    simulated = [simulate(run, args.peers, args.rounds, 5, seed) for seed in args.peer_seeds]
-    return multi_peer_report(metrics, simulated, args, argv, log_dir)
+    simulations = {"simulation, H steps": [simulate(run, args.peers, args.rounds, 5, seed) for seed in args.peer_seeds]}
+    schedule = peer_schedule(metrics, args.peers)
+    if schedule is not None:
+        simulations["simulation replaying the peers' steps"] = [
+            simulate(run, args.peers, args.rounds, 5, seed, schedule=schedule) for seed in args.peer_seeds]
+    return multi_peer_report(metrics, simulations, args, argv, log_dir)
 
 
 # ---------------------------------------------------------------- command line

@@ -80,9 +80,12 @@ def batches(stream, batch_size: int) -> Iterator[torch.Tensor]:
 
 
 def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, seed: int = 0,
-             paces: Optional[Sequence[float]] = None) -> SimulationResult:
+             paces: Optional[Sequence[float]] = None,
+             schedule: Optional[Sequence[Sequence[int]]] = None) -> SimulationResult:
     """``rounds`` outer rounds of ``replicas`` replicas; ``paces``: each replica's seconds per inner step
-    (default: all equal), which sets its steps and so its tokens and weight in every round."""
+    (default: all equal), which sets its steps and so its tokens and weight in every round. ``schedule``
+    instead gives the steps of every replica in every round (``schedule[round][replica]``), e.g. the steps
+    that real peers' metrics report, to replay their run."""
     run = run.resolved()
     codec = get_codec(run.compression)
     corpus = load_corpus(run.dataset, ByteTokenizer(), run.seq_len, run.eval_fraction)
@@ -90,7 +93,7 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
     base = build_model(run.model, ByteTokenizer.vocab_size, run.seq_len, seed)
     trainers = [InnerTrainer(copy.deepcopy(base), run, torch.device("cpu")) for _ in range(replicas)]
     streams = [corpus.stream(seed, f"replica-{i}", 0) for i in range(replicas)]
-    steps = round_steps(run.inner_steps, paces or [1.0] * replicas)
+    schedule = schedule or [round_steps(run.inner_steps, paces or [1.0] * replicas)] * rounds
     layout = FlatLayout(trainers[0].params)
     params, momentum = layout.gather(trainers[0].params, layout.empty()), layout.empty()
     feedbacks = [ErrorFeedback(codec, layout.numel, enabled=run.error_feedback) for _ in range(replicas)]
@@ -98,7 +101,7 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
     tokens, sent, train_losses = 0, 0, []
     for round_index in range(rounds):
         contributions, weights = [], []
-        for trainer, stream, feedback, count in zip(trainers, streams, feedbacks, steps):
+        for trainer, stream, feedback, count in zip(trainers, streams, feedbacks, schedule[round_index]):
             stats = trainer.train(batches(stream, run.batch_size), count, global_step=round_index * run.inner_steps)
             delta = layout.gather(trainer.params, layout.empty())
             torch.sub(params, delta, out=delta)
