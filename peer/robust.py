@@ -5,14 +5,16 @@ reducer, for each part, takes every sender's part and weight and:
 
 1. rejects a part that holds NaN or Inf (its weight drops out);
 2. computes a center, the coordinate-wise median of the remaining parts;
-3. clips each part's deviation from the center to ``clip_factor`` times the median deviation norm
-   (one step of CenteredClip, Karimireddy et al. 2021, started at the median);
-4. returns center + the weighted mean of the clipped deviations.
+3. rejects a part whose deviation from the center is more than SEVERE times the clipping bound
+   (``clip_factor`` times the median deviation norm): no honest peer, however stale, is that far off;
+4. clips each remaining part's deviation to the bound (one step of CenteredClip, Karimireddy et al.
+   2021, started at the median);
+5. returns center + the weighted mean of the clipped deviations, over the weights of the parts kept.
 
 When nobody is clipped this is the plain weighted mean (up to rounding), so honest groups lose nothing.
-A part scaled by 1000 moves the result by at most ``clip_factor`` honest deviations. Only a non-finite
-part or one SEVERE times past the bound counts toward a ban: an honest stale peer's larger delta may be
-clipped, but never gets it banned. Senders are summed
+A part scaled by 1000 is dropped like a NaN one; a part a few times too large moves the result by at
+most ``clip_factor`` honest deviations. Only a rejected part counts toward a ban: an honest stale peer's
+larger delta may be clipped, but never gets it banned. Senders are summed
 in index order, so the result does not depend on the order parts arrived in; and since the reducer
 encodes its result once and sends the same bytes to every member, every member still ends identical.
 With two senders the median is their mean and neither is clipped: two peers cannot tell who is wrong.
@@ -25,13 +27,13 @@ from typing import Dict, List, Tuple
 
 import torch
 
-SEVERE = 10.0  # a deviation this many times the clipping bound is no honest straggler: it counts toward a ban
+SEVERE = 10.0  # a deviation this many times the clipping bound is no honest straggler: rejected, counts toward a ban
 
 
 @dataclass(frozen=True)
 class Offence:
     sender: int
-    reason: str  # "non-finite" | "clipped"
+    reason: str  # "non-finite" | "rejected" (too far off) | "clipped"
     detail: str = ""
     severe: bool = True  # counts toward a ban; a mild clip (a stale peer's larger delta, say) does not
 
@@ -64,13 +66,18 @@ def robust_mean(parts: Dict[int, Tuple[torch.Tensor, float]], clip_factor: float
     deviations = stacked - center
     norms = deviations.norm(dim=1)
     bound = clip_factor * norms.quantile(0.5).item()
-    result = torch.zeros_like(center)
+    result, kept = torch.zeros_like(center), 0.0
     for row, (sender, (_, weight)) in enumerate(usable.items()):
         norm = norms[row].item()
+        detail = f"deviation {norm:.3g} > {clip_factor:g} x median {bound / clip_factor:.3g}"
+        if norm > SEVERE * bound:
+            offences.append(Offence(sender, "rejected", detail.replace(">", f"> {SEVERE:g} x")))
+            continue
         scale = 1.0 if norm <= bound or norm == 0 else bound / norm
         if scale < 1.0:
-            offences.append(Offence(sender, "clipped",
-                                    f"deviation {norm:.3g} > {clip_factor:g} x median {bound / clip_factor:.3g}",
-                                    severe=norm > SEVERE * bound))
+            offences.append(Offence(sender, "clipped", detail, severe=False))
         result.add_(deviations[row], alpha=weight * scale)
-    return result.div_(total).add_(center), offences
+        kept += weight
+    if kept <= 0:
+        raise ValueError("no sender's part is usable (every one too far from the others)")
+    return result.div_(kept).add_(center), offences

@@ -33,15 +33,26 @@ def test_non_finite_parts_are_rejected_and_named():
     assert torch.allclose(result, weighted_mean(clean), atol=1e-5)
 
 
-def test_a_part_scaled_by_1000_moves_the_mean_by_little():
+def test_a_part_scaled_by_1000_is_dropped_like_an_absent_one():
     parts = honest(4)
-    clean = weighted_mean(dict(parts))
+    without = {i: parts[i] for i in range(3)}
     parts[3] = (parts[3][0] * 1000, parts[3][1])
     result, offences = robust_mean(parts, clip_factor=2.0)
-    assert [(o.sender, o.reason) for o in offences] == [(3, "clipped")]
+    assert [(o.sender, o.reason, o.severe) for o in offences] == [(3, "rejected", True)]
     plain = weighted_mean(parts)
-    assert (plain - clean).norm() > 100 * clean.norm()  # what a plain average would have done
-    assert (result - clean).norm() < 0.2 * clean.norm()
+    assert (plain - weighted_mean(without)).norm() > 100 * weighted_mean(without).norm()  # a plain average
+    # the honest 3's own robust mean: the dropped part only moved the median center, never the deviations' mean
+    assert (result - weighted_mean(without)).norm() < 0.05 * weighted_mean(without).norm()
+
+
+def test_a_part_a_few_times_too_far_is_clipped_not_banned():
+    parts = honest(5)
+    clean = weighted_mean(dict(parts))
+    center = torch.stack([p for p, _ in parts.values()]).median(dim=0).values
+    parts[4] = (center + 8 * (parts[4][0] - center), parts[4][1])  # a stale peer's larger delta, say
+    result, offences = robust_mean(parts, clip_factor=2.0)
+    assert [(o.sender, o.reason, o.severe) for o in offences] == [(4, "clipped", False)]
+    assert (result - clean).norm() < (weighted_mean(parts) - clean).norm() / 2
 
 
 def test_order_of_arrival_does_not_matter_and_two_senders_are_never_clipped():
