@@ -8,10 +8,12 @@ RPCs:
 
 - each reducer encodes its averaged part **once** and sends the same bytes to every member, and
   decodes them for itself too, so all members decode identical bytes into identical fp32 values;
-- a sender that fails, a reducer that fails, a part of the wrong shape or a bad weight aborts the
-  whole all-reduce with ``GroupLostMember``; the caller retries from its saved tensors;
-- each reducer combines a part robustly (``peer/robust.py``): a non-finite part is rejected, a part far
-  from the others is clipped, and a banned sender's parts are ignored; the offenders are reported.
+- a sender that fails, a reducer that fails or sends a malformed averaged part aborts the whole
+  all-reduce with ``GroupLostMember``; the caller retries from its saved tensors, unless it is
+  ``MaybeApplied``: our own reducer had finished, so other members may have applied the round;
+- each reducer combines a part robustly (``peer/robust.py``): a malformed part (wrong shape, dtype,
+  size or bytes, or a bad weight) or a non-finite one is rejected, a part far from the others is clipped
+  or rejected, and a banned sender's parts are ignored; the offenders are reported.
 """
 
 from __future__ import annotations
@@ -37,6 +39,16 @@ class GroupLostMember(AllreduceException):
     """The all-reduce lost a member (or got bad data) mid-way; nothing from it may be applied."""
 
 
+class MinorityGroup(AllreduceException):
+    """The group holds too few of the peers at its state to apply a round (``peer.consensus.minority``);
+    nothing was sent."""
+
+
+class MaybeApplied(GroupLostMember):
+    """It failed for us after our own reducer had averaged all its parts: the others may have received every
+    part and applied the round. (When our reducer failed, no member can hold the whole average.)"""
+
+
 class CodecCompression(CompressionBase):
     """Our pure-tensor codecs behind hivemind's compression interface (used to size and encode parts)."""
 
@@ -51,6 +63,18 @@ class CodecCompression(CompressionBase):
     def extract(self, serialized: runtime_pb2.Tensor) -> torch.Tensor:
         shape = torch.Size(serialized.size)
         return self.codec.decode(serialized.buffer, shape.numel()).reshape(shape)
+
+    def extract_expected(self, serialized: runtime_pb2.Tensor, shape: torch.Size) -> torch.Tensor:
+        """Decode a part that must have ``shape``; ValueError naming what is wrong with it. Checked before
+        anything is allocated, so a part claiming a huge size costs nothing."""
+        if tuple(serialized.size) != tuple(shape):
+            raise ValueError(f"shape {tuple(serialized.size)}, expected {tuple(shape)}")
+        if serialized.dtype != "float32":
+            raise ValueError(f"dtype {serialized.dtype or '(none)'}, expected float32")
+        try:
+            return self.codec.decode(serialized.buffer, shape.numel()).reshape(shape)
+        except Exception as e:  # a codec that meets bytes it never wrote may fail in any way
+            raise ValueError(f"{len(serialized.buffer)} bytes that {self.codec.name} cannot decode ({e})") from None
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return self.codec.ratio()
@@ -112,13 +136,14 @@ class RobustPartReducer(ExactPartReducer):
                  on_offence: Callable[[Offence], None]):
         self.collected: Dict[int, Tuple[torch.Tensor, float]] = {}
         self.clip_factor, self.ignored, self.on_offence = clip_factor, set(ignored), on_offence
+        self.completed = not part_shapes  # every part of ours averaged (and so sent to whoever asked)
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
         super().reset_accumulators()
         self.collected = {}
 
-    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: Optional[torch.Tensor],
                               weight: float = 1.0) -> torch.Tensor:
         if self.finished.is_set():
             raise GroupLostMember("the reduction was aborted")
@@ -129,7 +154,7 @@ class RobustPartReducer(ExactPartReducer):
             if self.finished.is_set():
                 raise GroupLostMember("the reduction was aborted")
         future = self.current_part_future
-        if sender_index not in self.ignored:
+        if sender_index not in self.ignored and tensor_part is not None:  # None: rejected as malformed
             self.collected[sender_index] = (tensor_part, weight)
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
@@ -146,6 +171,7 @@ class RobustPartReducer(ExactPartReducer):
             return
         for offence in offences:
             self.on_offence(offence)
+        self.completed = self.current_part_index == self.num_parts - 1
         self.current_part_future.set_result(averaged)
         self.reset_accumulators()
 
@@ -249,10 +275,18 @@ class ExactAllReduceRunner(AllReduceRunner):
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
 
+            shapes = iter([part.shape for part, _ in container._input_parts_by_peer[peer_index]])  # what it reduces
+
             def decode(message: averaging_pb2.AveragingData) -> torch.Tensor:
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise GroupLostMember(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-                return self.compression.extract(message.tensor_part)
+                shape = next(shapes, None)
+                if shape is None:
+                    raise GroupLostMember(f"{peer_id} sent more averaged parts than it reduces")
+                try:
+                    return self.compression.extract_expected(message.tensor_part, shape)
+                except ValueError as e:
+                    raise GroupLostMember(f"{peer_id} sent a malformed averaged part: {e}") from None
 
             part_index = 0
             async for averaged in amap_in_executor(
@@ -282,20 +316,26 @@ class ExactAllReduceRunner(AllReduceRunner):
         """Reduce one sender's parts; reply with the shared encoding of each averaged part."""
         reducer = self.tensor_part_reducer
         part_index = 0
+        shapes = iter(reducer.part_shapes)
 
-        def decode(message: averaging_pb2.AveragingData) -> Tuple[torch.Tensor, float]:
-            return self.compression.extract(message.tensor_part), message.weight
+        def decode(message: averaging_pb2.AveragingData) -> Tuple[Optional[torch.Tensor], float, Optional[str]]:
+            """(part, weight, None), or (None, weight, what is wrong with it); called in the order parts come."""
+            shape = next(shapes, None)
+            if shape is None:
+                raise GroupLostMember(f"sender #{sender_index} sent more than the {reducer.num_parts} parts expected")
+            if not 0 < message.weight < float("inf"):
+                return None, 1.0, f"weight {message.weight}"
+            try:
+                return self.compression.extract_expected(message.tensor_part, shape), message.weight, None
+            except ValueError as e:
+                return None, message.weight, str(e)
 
         try:
-            async for part, weight in amap_in_executor(decode, stream, max_prefetch=1):
-                expected = reducer.part_shapes[part_index] if part_index < reducer.num_parts else None
-                if part.shape != expected:
-                    raise GroupLostMember(f"sender #{sender_index} sent a part of shape {tuple(part.shape)}, "
-                                          f"expected {tuple(expected) if expected else 'no more parts'}")
-                if not 0 < weight < float("inf"):
-                    raise GroupLostMember(f"sender #{sender_index} sent weight {weight}")
+            async for part, weight, malformed in amap_in_executor(decode, stream, max_prefetch=1):
                 if part_index == 0:
                     self._fire("reduce")  # a fault plan may strike this peer while it is reducing
+                if malformed is not None:  # dropped like a non-finite part; the others' average goes on
+                    self._offence(Offence(sender_index, "malformed", f"part {part_index}: {malformed}"))
                 averaged = await reducer.accumulate_part(sender_index, part_index, part, weight=weight)
                 encoded = await self._encode_once(part_index, averaged)
                 part_index += 1

@@ -34,7 +34,8 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from compression import Codec
 from dht.node import init_child_process
-from peer.allreduce import ExactAllReduceRunner, GroupLostMember
+from peer.allreduce import ExactAllReduceRunner, GroupLostMember, MaybeApplied, MinorityGroup
+from peer.consensus import minority
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class SwarmAverager(DecentralizedAverager):
     """Averages ``delta`` (and ``moment`` on alignment rounds) with whichever peers share our state."""
 
     _rpc_handlers = _stub_type = None  # hivemind caches these per class: collect ours, rpc_download_slice too
+    runner_type = ExactAllReduceRunner
 
     def __init__(
         self,
@@ -187,6 +189,9 @@ class SwarmAverager(DecentralizedAverager):
         align = {bool(info.get("align")) for info in gathered.values()}
         if len(align) != 1:
             raise GroupLostMember("group members disagree on momentum alignment")
+        why_not = minority(gathered)
+        if why_not is not None:  # every member finds the same, from the same gathered data: nobody sends
+            raise MinorityGroup(why_not)
         count = 2 if (align.pop() and self.has_moment) else 1
         size = sum(t.numel() for t in self._averaged_tensors[:count])
         download_bandwidths = [b if mode != AveragingMode.CLIENT else 0.0 for b, mode in zip(bandwidths, modes)]
@@ -198,7 +203,7 @@ class SwarmAverager(DecentralizedAverager):
             async with asyncio.timeout(self.exact_timeout):
                 async with enter_asynchronously(self.get_tensors()) as local_tensors:
                     local_tensors = local_tensors[:count]
-                    runner = ExactAllReduceRunner(
+                    runner = self.runner_type(
                         p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, group_id=group_info.group_id,
                         tensors=local_tensors, weight=kwargs["weight"], ordered_peer_ids=group_info.peer_ids,
                         peer_fractions=peer_fractions, modes=modes, sender_timeout=self.part_timeout,
@@ -209,12 +214,14 @@ class SwarmAverager(DecentralizedAverager):
                     self._running_groups[group_info.group_id].set_result(runner)
                     async for tensor, averaged in azip(as_aiter(*local_tensors), runner):
                         tensor.copy_(averaged)
-        except TimeoutError:
-            raise GroupLostMember(f"the all-reduce did not finish within {self.exact_timeout:.1f}s") from None
-        except GroupLostMember:
-            raise
         except Exception as e:  # hivemind's _step only retries on its own exception types
-            raise GroupLostMember(f"all-reduce failed: {e!r}") from None
+            if isinstance(e, TimeoutError):
+                message = f"the all-reduce did not finish within {self.exact_timeout:.1f}s"
+            else:
+                message = str(e) if isinstance(e, GroupLostMember) else f"all-reduce failed: {e!r}"
+            if runner is not None and runner.tensor_part_reducer.completed:
+                raise MaybeApplied(f"{message}, after our reducer averaged all its parts") from None
+            raise GroupLostMember(message) from None
         finally:
             if runner is not None and runner._future.done() and not runner._future.cancelled():
                 runner._future.exception()  # raised above already; else asyncio logs it as never retrieved

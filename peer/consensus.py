@@ -6,19 +6,22 @@
 - the expected group: live peers that hold our exact state, so the matchmaking leader can close the
   group as soon as they have all joined instead of waiting out the grace window;
 - the round target: when the peers holding our state plan to sync, so rounds end together and a
-  joiner lines its first round up with the others'.
+  joiner lines its first round up with the others';
+- the majority rule: when matchmaking splits the peers at one state into two groups, only a group
+  holding more than half of them applies its round; the other adopts that state instead of forking it.
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 from hivemind.utils import get_dht_time
 
 from dht.records import PeerRecord
 
 SILENCE_SLACK = 10.0  # seconds past its planned sync a peer may stay silent before others stop waiting for it
+MAX_MISSED = 3  # unmerged rounds in a row after which a peer applies without a majority (or alone, at quorum 1)
 
 
 def responsive(record: PeerRecord, now: float) -> bool:
@@ -52,6 +55,29 @@ def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord) -> List[Pe
     """Other live peers at exactly our (epoch, state hash): the ones we can average with."""
     return [r for r in live(records, mine.manifest_hash)
             if r.peer_id != mine.peer_id and r.epoch == mine.epoch and r.state_hash == mine.state_hash]
+
+
+def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> int:
+    """How many responsive peers hold our exact state, us included: the electorate of the majority rule."""
+    now = get_dht_time() if now is None else now
+    return 1 + sum(responsive(r, now) for r in peers_with_state(records, mine))
+
+
+def minority(gathered: Dict[str, dict]) -> Optional[str]:
+    """Why this group must not apply its round, or None if it may. Every member computes it from the same
+    gathered data, so the whole group decides alike.
+
+    Two groups formed from the peers at one state (a split matchmaking) would step that state two ways:
+    a fork, which the fork choice then undoes by making the smaller group download the larger one's state.
+    So a group applies only if it holds more than half of the largest electorate any member counted, or
+    if one of its members has gone MAX_MISSED - 1 rounds unmerged (two minorities must not stall forever).
+    Dead or frozen peers leave the electorate once they are no longer ``responsive``."""
+    size = len(gathered)
+    electorate = max(int(info.get("voters", 1)) for info in gathered.values())
+    missed = max(int(info.get("missed", 0)) for info in gathered.values())
+    if 2 * size > electorate or missed + 1 >= MAX_MISSED:
+        return None
+    return f"our group holds {size} of the {electorate} peers at our state, not a majority"
 
 
 def peers_behind(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[PeerRecord]:

@@ -32,9 +32,10 @@ from compression import get_codec
 from compression.feedback import ErrorFeedback
 from dht.node import reach_out
 from dht.records import PeerRecord, RecordPublisher, fetch_records
+from peer.allreduce import MaybeApplied, MinorityGroup
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
-from peer.consensus import choose_state, peers_behind, peers_with_state, responsive
+from peer.consensus import MAX_MISSED, choose_state, peers_behind, peers_with_state, responsive, voters
 from peer.contributions import Contributions
 from peer.deadlines import Deadlines
 from peer.flat import FlatLayout
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 NO_GROUP = "could not find a group"
 SETTLE_SECONDS, SETTLE_POLL = 2.0, 0.25  # how long a failed member looks for its group's finished state
 LOOKUP_TIMEOUT = 2.0  # seconds a look at the swarm's records may block training (a partition slows the DHT)
-MAX_MISSED = 3  # unmerged rounds in a row after which a quorum-1 peer applies its delta alone
 
 
 def first_line(error: BaseException, limit: int = 200) -> str:
@@ -238,13 +238,25 @@ class Synchronizer:
             self.averager.prepare_round(self.state.epoch, self.state.hash(), max(2, self.run.quorum), expected,
                                         allreduce_timeout=self.deadlines.allreduce(1 + align),
                                         part_timeout=self.deadlines.part(1 + align))
+            attempt_started = time.monotonic()
             try:
-                outcome = self._average(tokens, tokens * self.run.stale_discount ** missed_rounds, align, deadline)
+                outcome = self._average(tokens, tokens * self.run.stale_discount ** missed_rounds, align, deadline,
+                                        missed_rounds)
             except Exception as e:  # AllreduceException, TimeoutError, or anything the averager process hit
+                their_end = attempt_started + self.run.grace_seconds + self.deadlines.allreduce(1 + align)
+                if isinstance(e, MinorityGroup):  # the larger group applies this round: adopt its state when it does
+                    if self._settle(min(deadline, their_end)):
+                        result.rebased = True
+                        result.error = f"{e}: adopted the larger group's state, contributing at its next sync"
+                    else:
+                        result.error = f"{e}: not applied; contributing next round"
+                    break
                 if NO_GROUP not in str(e):
                     result.error = f"all-reduce failed ({first_line(e)}); retrying with the survivors"
                     logger.warning(result.error)
-                    if self._settle(deadline) and self.merged_ours:
+                    # others may still be receiving their last parts: look for their new state for as long as
+                    # their all-reduce may take, before averaging our delta again into a different state
+                    if isinstance(e, MaybeApplied) and self._settle(min(deadline, their_end)) and self.merged_ours:
                         result.applied, result.rebased = True, True
                         result.error = "our group finished without us, with our delta merged: adopted its state"
                         break
@@ -275,15 +287,18 @@ class Synchronizer:
         tokens, self.recovered_tokens = self.recovered_tokens, 0
         return tokens
 
-    def _settle(self, deadline: float) -> bool:
-        """After a failed attempt: did some groupmate finish it anyway? A lost reducer can fail the
-        all-reduce for us after the others received every part and applied it. Retrying at once would
-        average our delta a second time, into a different state (a fork). So first look, for up to
-        SETTLE_SECONDS, for a groupmate's new state (members publish it as soon as they apply) and adopt
-        it if it appears; True if we did."""
-        attempted, settle_until = self.state.epoch, min(deadline, time.monotonic() + SETTLE_SECONDS)
+    def _settle(self, their_end: float) -> bool:
+        """After an attempt that failed for us once our reducer had finished: did some groupmate finish it?
+        (Also after a minority group: when does the majority's state appear?)
+        A lost reducer, or a deadline that fired on us first, can fail the all-reduce for us after the others
+        received every part and applied it. Retrying at once would average our delta a second time, into a
+        different state (a fork). So first look for a groupmate's new state (members publish it as soon as
+        they apply) until SETTLE_SECONDS past ``their_end``, when the last of them must have finished or failed
+        too, and adopt it if it appears; True if we did."""
+        attempted = self.state.epoch
+        settle_until = max(time.monotonic(), their_end) + SETTLE_SECONDS
         while True:
-            if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0), attempted_epoch=attempted):
+            if self.catch_up(timeout=max(settle_until - time.monotonic(), 1.0), attempted_epoch=attempted):
                 return True
             if time.monotonic() >= settle_until:
                 return False
@@ -333,12 +348,13 @@ class Synchronizer:
         self.local.set(self.state.params)
         return False
 
-    def _average(self, tokens: int, weight: float, align: bool, deadline: float) -> dict:
+    def _average(self, tokens: int, weight: float, align: bool, deadline: float, missed_rounds: int) -> dict:
         grace = self.run.grace_seconds
         if self.fault_hook is not None:
             self.fault_hook("matchmaking", self.state.epoch)
         gather = dict(epoch=self.state.epoch, hash=self.state.hash(), tokens=tokens, align=align,
-                      step_seconds=self.step_seconds)
+                      step_seconds=self.step_seconds, voters=voters(self.records.values(), self.my_record()),
+                      missed=missed_rounds)
         control = self.averager.step(
             gather=gather, weight=float(weight), scheduled_time=get_dht_time() + grace,
             timeout=grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False, wait=False,

@@ -1,15 +1,18 @@
 """The exact all-reduce on real hivemind averagers (one process each) over loopback."""
 
+import asyncio
 import os
 import signal
 
 import pytest
 import torch
+from hivemind.p2p import P2P
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from compression import get_codec
 from dht.node import LOOPBACK, DHTConfig, start_dht
-from peer.allreduce import GroupLostMember
+from peer.allreduce import ExactAllReduceRunner, GroupLostMember
 from peer.averager import SwarmAverager
 from peer.outer import state_hash
 
@@ -40,15 +43,17 @@ def shared_state(epoch=7):
     return metadata, [params, momentum]
 
 
-def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None, clip_factor=0.0, ban_after=0):
+def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None, clip_factor=0.0, ban_after=0,
+                   runners=(ExactAllReduceRunner,) * 3):
     averagers = []
-    for dht, hook in zip(dhts, hooks):
+    for dht, hook, runner in zip(dhts, hooks, runners):
         averager = SwarmAverager(
             torch.zeros(SIZE), None, dht, prefix=prefix, codec=get_codec(codec),
             state_provider=lambda: state or ({}, []), quorum=1, grace_seconds=2.0, request_timeout=1.0,
             allreduce_timeout=10.0, part_timeout=3.0, client_mode=False, fault_hook=hook, part_size_bytes=2**16,
             clip_factor=clip_factor, ban_after=ban_after,
         )
+        averager.runner_type = runner  # the averager process, forked next, runs its all-reduces with it
         averager.run_in_background(await_ready=True)
         averagers.append(averager)
     return averagers
@@ -96,8 +101,8 @@ def test_members_end_bit_identical_with_the_weighted_mean(dhts, codec):
             averager.shutdown()
 
 
-def test_bad_parts_are_rejected_or_clipped_and_members_still_agree(dhts):
-    """One member sends NaN, then a pseudo-gradient scaled by 1000: the reducers reject or clip it, everyone
+def test_bad_parts_are_rejected_and_members_still_agree(dhts):
+    """One member sends NaN, then a pseudo-gradient scaled by 1000: the reducers reject it, everyone
     (the offender too) ends with the same bytes, the result stays near the honest mean, and after two
     offending rounds the offender is banned: its parts are ignored."""
     averagers = make_averagers(dhts, "robust", "none", clip_factor=2.0, ban_after=2)
@@ -107,7 +112,7 @@ def test_bad_parts_are_rejected_or_clipped_and_members_still_agree(dhts):
         honest = [base + 0.1 * torch.randn(SIZE, generator=generator) for _ in range(2)]
         clean = (honest[0] + honest[1]) / 2
         offender = averagers[2].peer_id.to_base58()
-        for bad, verdict in ((torch.full((SIZE,), float("nan")), "non-finite"), (1000 * base, "clipped")):
+        for bad, verdict in ((torch.full((SIZE,), float("nan")), "non-finite"), (1000 * base, "rejected")):
             outcomes = [c.result(timeout=60) for c in run_round(averagers, honest + [bad], [100, 100, 100])]
             results = []
             for averager in averagers:
@@ -123,6 +128,100 @@ def test_bad_parts_are_rejected_or_clipped_and_members_still_agree(dhts):
         with averagers[0].get_tensors() as (delta,):
             torch.testing.assert_close(delta, clean, rtol=0, atol=1e-6)
         assert all(outcome["offences"] == {} for outcome in outcomes)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+# what a broken or hostile member sends in place of its parts, one kind per round
+TAMPERINGS = (
+    ("a part claiming 2**31-1 values (8 GiB)", lambda part: part.size.__setitem__(0, 2**31 - 1), "shape (2147483647,)"),
+    ("a part one value short", lambda part: part.size.__setitem__(0, part.size[0] - 1), "shape ("),
+    ("float16 in place of float32", lambda part: setattr(part, "dtype", "float16"), "dtype float16"),
+    ("13 garbage bytes", lambda part: setattr(part, "buffer", os.urandom(13)), "13 bytes that none cannot decode"),
+)
+
+
+class TamperingRunner(ExactAllReduceRunner):
+    """Sends every other reducer its parts tampered with as TAMPERINGS[round] says (its own slice stays honest)."""
+
+    rounds = 0
+
+    async def _generate_input_for_peer(self, peer_index):
+        _, tamper, _ = TAMPERINGS[TamperingRunner.rounds % len(TAMPERINGS)]
+        async for message in super()._generate_input_for_peer(peer_index):
+            tamper(message.tensor_part)
+            yield message
+
+    async def run(self):
+        try:
+            async for averaged in super().run():
+                yield averaged
+        finally:
+            TamperingRunner.rounds += 1
+
+
+def test_malformed_parts_are_rejected_and_the_others_average_goes_on(dhts):
+    """A member sends oversize, misshapen, wrong-dtype and undecodable parts in turn: each reducer rejects them
+    by name (allocating nothing for the oversize one), the round completes for everyone with identical
+    bytes, and every averager process keeps running."""
+    averagers = make_averagers(dhts, "malformed", "none", runners=(ExactAllReduceRunner,) * 2 + (TamperingRunner,))
+    try:
+        generator = torch.Generator().manual_seed(0)
+        honest = [torch.randn(SIZE, generator=generator) for _ in range(2)]
+        clean = (honest[0] + honest[1]) / 2  # the offender's true values: its own slice averages to the same
+        offender = averagers[2].peer_id.to_base58()
+        for what, _, verdict in TAMPERINGS:
+            outcomes = [c.result(timeout=60) for c in run_round(averagers, honest + [clean], [100, 100, 100])]
+            results = []
+            for averager in averagers:
+                with averager.get_tensors() as (delta,):
+                    results.append(delta.clone())
+            assert all(torch.equal(results[0], other) for other in results[1:]), f"{what}: members differ"
+            torch.testing.assert_close(results[0], clean, rtol=0, atol=1e-6)
+            for outcome in outcomes[:2]:
+                assert list(outcome["offences"]) == [offender], what
+                reason = outcome["offences"][offender][0]
+                assert reason.startswith("malformed (part 0: ") and verdict in reason, (what, reason)
+        assert all(averager.is_alive() for averager in averagers)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+def test_garbage_sent_to_the_averaging_rpc_is_refused_and_harmless(dhts):
+    """A stranger's process opens the averaging RPC of a live averager and sends (a) a well-formed request
+    for a group that does not exist and (b) bytes that are no protobuf at all: (a) gets BAD_GROUP_ID, (b) a
+    closed stream, and the averager then completes a round with its group as if nothing happened."""
+    averagers = make_averagers(dhts, "garbage_rpc", "none")
+    target = averagers[0]
+    handler = f"{target.prefix}::{SwarmAverager.__name__}.rpc_aggregate_part"
+
+    async def attack():
+        p2p = await P2P.create(initial_peers=[str(m) for m in dhts[0].get_visible_maddrs()])
+        try:
+            bogus = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=os.urandom(32),
+                                                weight=1.0)
+            replies = await p2p.iterate_protobuf_handler(target.peer_id, handler, bogus, averaging_pb2.AveragingData)
+            codes = [reply.code async for reply in replies]
+            _, reader, writer = await p2p.call_binary_stream_handler(target.peer_id, handler)
+            writer.write(b"\xff" * 9 + os.urandom(4096))  # a frame header claiming an absurd length, then noise
+            await writer.drain()
+            leftover = await asyncio.wait_for(reader.read(), timeout=30)
+            writer.close()
+            return codes, leftover
+        finally:
+            await p2p.shutdown()
+
+    try:
+        codes, leftover = asyncio.run(attack())
+        assert codes == [averaging_pb2.BAD_GROUP_ID]
+        assert leftover == b""  # nothing but a closed stream
+        values = [torch.full((SIZE,), float(i)) for i in range(3)]
+        for control in run_round(averagers, values, [1, 1, 1]):
+            control.result(timeout=60)
+        with target.get_tensors() as (delta,):
+            assert torch.equal(delta, torch.full((SIZE,), 1.0))
     finally:
         for averager in averagers:
             averager.shutdown()

@@ -3,7 +3,16 @@
 import dataclasses
 
 from dht.records import PeerRecord
-from peer.consensus import SILENCE_SLACK, choose_state, peers_behind, peers_with_state, round_target
+from peer.consensus import (
+    MAX_MISSED,
+    SILENCE_SLACK,
+    choose_state,
+    minority,
+    peers_behind,
+    peers_with_state,
+    round_target,
+    voters,
+)
 
 
 def record(peer, epoch, state_hash, tokens, manifest="m", status="training", next_sync_at=None):
@@ -51,3 +60,25 @@ def test_a_peer_silent_long_past_its_planned_sync_is_not_waited_for():
     busy = [record("b", 2, "bb", 5, next_sync_at=100.0)]
     busy[0] = dataclasses.replace(busy[0], busy_until=200.0)  # in a long sync: alive
     assert len(peers_behind(busy, mine, now=150.0)) == 1
+
+
+def test_voters_are_the_responsive_peers_at_our_state():
+    mine = record("me", 3, "aa", 10)
+    others = [record("a", 3, "aa", 10, next_sync_at=100.0), record("frozen", 3, "aa", 10, next_sync_at=50.0),
+              record("b", 3, "ab", 10, next_sync_at=100.0)]
+    assert voters(others, mine, now=55.0) == 3  # me, a, and frozen until it is SILENCE_SLACK late
+    assert voters(others, mine, now=50.0 + SILENCE_SLACK + 1) == 2
+
+
+def test_of_two_groups_split_from_one_state_only_the_majority_applies():
+    def group(size, electorate, missed=0):
+        return {f"p{i}": dict(voters=electorate, missed=missed) for i in range(size)}
+
+    assert minority(group(3, 5)) is None
+    assert minority(group(2, 5)) == "our group holds 2 of the 5 peers at our state, not a majority"
+    assert minority(group(2, 4)) is not None and minority(group(2, 3)) is None  # a 2|2 split: neither, this round
+    assert minority(group(1, 1)) is None
+    assert minority(group(2, 4, missed=MAX_MISSED - 1)) is None  # two minorities must not stall forever
+    mixed = group(2, 3)
+    mixed["p0"]["voters"] = 5  # members counted differently: the largest count rules, for every member alike
+    assert minority(mixed) is not None
