@@ -47,7 +47,7 @@ from peer.model import PRESETS, Preset, build_model, count_parameters
 MODEL = "micro"
 PRESETS.setdefault(MODEL, Preset(hidden=64, layers=2, heads=4, kv_heads=4, intermediate=256, tokenizer="bytes",
                                  seq_len=64, batch_size=8, lr=6e-3, warmup_steps=50, inner_steps=100))
-AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "averaging")
+AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "averaging", "warm-start")
 SLOWDOWN = 3.0  # the slow replica's seconds per inner step, relative to the others
 QUICK = dict(tokens=80_000, replicas=2, inner_steps=10, seeds=[0], axes=["codec", "alignment", "feedback"],
              codecs=["none"], eval_batches=4, evals=4, warmup_steps=20)
@@ -68,6 +68,7 @@ class Cell:
     slow: bool = False
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    warm: float = 0.0  # fraction of the tokens trained data-parallel before DiLoCo starts
 
     @property
     def label(self) -> str:
@@ -75,7 +76,8 @@ class Cell:
                 "codec": f"codec {self.compression}", "alignment": f"alignment {'on' if self.align else 'off'}",
                 "feedback": f"error feedback {'on' if self.feedback else 'off'}",
                 "slow": f"one replica {SLOWDOWN:g}x slower", "outer-lr": f"outer lr {self.outer_lr:g}",
-                "averaging": "plain averaging (outer lr 1, momentum 0)"}[self.axis]
+                "averaging": "plain averaging (outer lr 1, momentum 0)",
+                "warm-start": f"data-parallel for the first {self.warm:.0%} of the tokens"}[self.axis]
 
     def paces(self) -> List[float]:
         return [1.0] * (self.replicas - 1) + [SLOWDOWN if self.slow else 1.0]
@@ -93,6 +95,7 @@ def cells(args) -> List[Cell]:
         "slow": [dataclasses.replace(centre, axis="slow", slow=True)],
         "outer-lr": [dataclasses.replace(centre, axis="outer-lr", outer_lr=lr) for lr in args.outer_lrs],
         "averaging": [dataclasses.replace(centre, axis="averaging", outer_lr=1.0, outer_momentum=0.0)],
+        "warm-start": [dataclasses.replace(centre, axis="warm-start", warm=warm) for warm in args.warm_starts],
     }
     same = dataclasses.replace(centre, axis="")
     return [centre] + [cell for axis in args.axes for cell in varied[axis]
@@ -104,15 +107,19 @@ def base_run(args, **settings) -> RunConfig:
                      warmup_steps=args.warmup_steps, eval_batches=args.eval_batches, **settings)
 
 
+def warm_steps(cell: Cell, args) -> int:
+    return round(cell.warm * args.tokens / (cell.replicas * args.batch_size * args.seq_len))
+
+
 def cell_rounds(cell: Cell, args) -> int:
     """Rounds that spend the token budget (a slow replica's rounds hold fewer tokens, so it gets more)."""
     per_round = sum(round_steps(cell.inner_steps, cell.paces())) * args.batch_size * args.seq_len
-    return max(1, round(args.tokens / per_round))
+    return max(1, round((1 - cell.warm) * args.tokens / per_round))
 
 
 def cell_run(cell: Cell, args) -> RunConfig:
-    rounds = cell_rounds(cell, args)
-    return base_run(args, inner_steps=cell.inner_steps, lr_decay_steps=rounds * cell.inner_steps,
+    steps = warm_steps(cell, args) + cell_rounds(cell, args) * cell.inner_steps  # the cosine spans the whole run
+    return base_run(args, inner_steps=cell.inner_steps, lr_decay_steps=steps,
                     compression=cell.compression, error_feedback=cell.feedback,
                     align_every=args.align_every if cell.align else 0, outer_lr=cell.outer_lr,
                     outer_momentum=cell.outer_momentum)
@@ -135,25 +142,34 @@ class Runs:
     def __init__(self, path: Optional[Path]):
         self.path = path
         self.done: Dict[str, dict] = json.loads(path.read_text()) if path and path.exists() else {}
+        self.seconds = [0.0, 0.0]  # wall-clock and CPU seconds the runs used took when they ran
 
     def _get(self, key: dict, compute) -> SimulationResult:
         text = json.dumps(key, sort_keys=True)
         if text not in self.done:
             start, cpu = time.perf_counter(), time.process_time()
-            self.done[text] = dataclasses.asdict(compute())
+            entry = dataclasses.asdict(compute())
+            entry.update(wall_seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu)
+            self.done[text] = entry
             print(f"{key['kind']} {key.get('label', '')} M={key['replicas']} seed={key['seed']}: "
-                  f"eval {self.done[text]['eval_losses'][-1]:.4f} ({time.perf_counter() - start:.0f}s wall, "
-                  f"{time.process_time() - cpu:.0f}s cpu)", flush=True)
+                  f"eval {entry['eval_losses'][-1]:.4f} ({entry['wall_seconds']:.0f}s wall, "
+                  f"{entry['cpu_seconds']:.0f}s cpu)", flush=True)
             if self.path:
                 self.path.write_text(json.dumps(self.done))
-        return SimulationResult(**self.done[text])
+        entry = dict(self.done[text])
+        self.seconds[0] += entry.pop("wall_seconds", float("nan"))
+        self.seconds[1] += entry.pop("cpu_seconds", float("nan"))
+        return SimulationResult(**entry)
 
     def diloco(self, cell: Cell, args, seed: int) -> SimulationResult:
         run, rounds = cell_run(cell, args), cell_rounds(cell, args)
         every = max(1, rounds // args.evals)
         key = dict(kind="diloco", label=cell.label, settings=run.to_settings(), replicas=cell.replicas,
                    rounds=rounds, paces=cell.paces(), seed=seed, eval_every=every)
-        return self._get(key, lambda: simulate(run, cell.replicas, rounds, every, seed, cell.paces()))
+        warm = warm_steps(cell, args)
+        if warm:
+            key.update(warm_steps=warm)
+        return self._get(key, lambda: simulate(run, cell.replicas, rounds, every, seed, cell.paces(), warm_steps=warm))
 
     def data_parallel(self, replicas: int, args, seed: int) -> SimulationResult:
         steps = dp_steps(replicas, args)
@@ -188,6 +204,14 @@ class Row:
     def ratio(self) -> float:
         return statistics.mean(r.bytes_sent[-1] for r in self.baseline) / self.bytes_sent
 
+    @property
+    def equivalent(self) -> float:
+        """The fraction of its tokens after which data-parallel (seed means) first reached this row's loss."""
+        tokens, loss = Row("", None, self.replicas, self.baseline, self.baseline).curve()
+        tokens = np.concatenate([[0], tokens])
+        loss = np.minimum.accumulate(np.concatenate([[statistics.mean(r.initial_loss for r in self.baseline)], loss]))
+        return float(np.interp(-self.loss, -loss, tokens)) / tokens[-1]
+
     def curve(self):
         """(tokens, eval loss mean over seeds): every seed evaluates at the same token counts."""
         return np.array(self.results[0].tokens), np.mean([r.eval_losses for r in self.results], axis=0)
@@ -199,8 +223,7 @@ class Row:
         return tokens, 100 * (loss / np.interp(tokens, *base) - 1)
 
 
-def run_sweep(args) -> List[Row]:
-    runs = Runs(args.cache)
+def run_sweep(args, runs: Runs) -> List[Row]:
     sweep = cells(args)
     baselines = {m: [runs.data_parallel(m, args, seed) for seed in args.seeds]
                  for m in sorted({cell.replicas for cell in sweep})}
@@ -221,8 +244,8 @@ def fmt_bytes(count: float) -> str:
 def table(rows: List[Row], args) -> str:
     seeds = " / ".join(f"seed {seed}" for seed in args.seeds)
     lines = [f"| cell | M | H | codec | alignment | error feedback | rounds (steps) | eval loss ({seeds}) | mean | "
-             f"gap to data-parallel | bytes sent per replica | data-parallel's bytes / these |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"gap to data-parallel | data-parallel had this loss after | bytes sent per replica | "
+             f"data-parallel's bytes / these |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         cell, per_seed = row.cell, " / ".join(f"{r.eval_losses[-1]:.4f}" for r in row.results)
         if cell is None:
@@ -232,7 +255,7 @@ def table(rows: List[Row], args) -> str:
                         f"{f'every {args.align_every}' if cell.align else 'off'} | {'on' if cell.feedback else 'off'} "
                         f"| {row.results[0].eval_rounds[-1]}")
         lines.append(f"| {row.label} | {settings} | {per_seed} | {row.loss:.4f} | {row.gap:+.2f}% | "
-                     f"{fmt_bytes(row.bytes_sent)} | {row.ratio:,.0f}x |")
+                     f"{row.equivalent:.0%} of the tokens | {fmt_bytes(row.bytes_sent)} | {row.ratio:,.0f}x |")
     return "\n".join(lines)
 
 
@@ -300,7 +323,8 @@ def plot(rows: List[Row], path: Path) -> None:
                   if row is centre else f"DiLoCo {row.label}", **style)
         right.plot(*row.gap_curve(), marker=".", label=left.get_lines()[-1].get_label(), **style)
     for row in rows:
-        if row.cell is not None and row.cell.axis in ("alignment", "feedback", "slow", "outer-lr", "averaging"):
+        if row.cell is not None and row.cell.axis in ("alignment", "feedback", "slow", "outer-lr", "averaging",
+                                                      "warm-start"):
             right.plot(*row.gap_curve(), ls="--", lw=1, label=f"DiLoCo {row.label}")
     left.set(xlabel="tokens (all replicas)", ylabel="held-out eval loss",
              title=f"M={centre.replicas}, {centre.cell.compression}: eval loss")
@@ -338,10 +362,13 @@ def setup(args) -> str:
             f"data-parallel with one seed see the same M streams).")
 
 
-def sweep_report(rows: List[Row], args, argv: Sequence[str], seconds: float) -> str:
+def sweep_report(rows: List[Row], args, argv: Sequence[str], runs: Runs) -> str:
     command = shlex.join(["python", "-m", "bench.convergence", *argv])
     initial = statistics.mean(r.initial_loss for r in rows[0].results)
-    parts = [f"Command: `{command}` ({seconds / 60:.0f} min on {torch.get_num_threads()} thread(s))",
+    wall, cpu = runs.seconds
+    parts = [f"Command: `{command}`. Its {sum(len(row.results) for row in rows)} "
+             f"runs took {cpu / 60:.0f} min of CPU ({wall / 60:.0f} min wall-clock) on "
+             f"{torch.get_num_threads()} thread(s).",
              setup(args) + f" Initial held-out loss: {initial:.4f}.",
              "## Goal\n\n" + goal(rows, args),
              "## Every cell\n\n" + table(rows, args),
@@ -490,6 +517,8 @@ def parse_args(argv: Sequence[str]):
     parser.add_argument("--sweep-inner-steps", type=int, nargs="*", default=[10, 50, 100, 250])
     parser.add_argument("--codecs", nargs="*", default=["none", "fp16", "int8", "int4"])
     parser.add_argument("--outer-lrs", type=float, nargs="*", default=[0.4, 1.0])
+    parser.add_argument("--warm-starts", type=float, nargs="*", default=[0.2],
+                        help="fractions of the tokens trained data-parallel before DiLoCo starts")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -522,12 +551,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     title = "Convergence: DiLoCo against synchronous data-parallel training"
-    start = time.perf_counter()
     if args.multi_peer:
         text, name = multi_peer(args, argv), "multi-peer"
     else:
-        rows = run_sweep(args)
-        text, name = sweep_report(rows, args, argv, time.perf_counter() - start), "sweep"
+        runs = Runs(args.cache)
+        rows = run_sweep(args, runs)
+        text, name = sweep_report(rows, args, argv, runs), "sweep"
         if args.plot:
             plot(rows, args.plot)
     print(text, flush=True)

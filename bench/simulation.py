@@ -79,13 +79,32 @@ def batches(stream, batch_size: int) -> Iterator[torch.Tensor]:
     return iter(lambda: stream.next_batch(batch_size), None)
 
 
+def together(streams, batch_size: int) -> Iterator[torch.Tensor]:
+    """A data-parallel step's data: a batch from every replica's stream, one micro-batch each (an InnerTrainer
+    with ``micro_batch=batch_size`` accumulates loss / M over them: the average of the M gradients)."""
+    return iter(lambda: torch.cat([stream.next_batch(batch_size) for stream in streams]), None)
+
+
+def warm_start(trainers: Sequence[InnerTrainer], streams, batch_size: int, steps: int) -> int:
+    """``steps`` data-parallel steps on the first replica; then every replica takes its weights and AdamW state
+    (DiLoCo's experiments start from a pretrained model). Returns the tokens trained on."""
+    lead = trainers[0]
+    stats = lead.train(together(streams, batch_size), steps, global_step=0)
+    for trainer in trainers[1:]:
+        trainer.model.load_state_dict(lead.model.state_dict())
+        trainer.optimizer.load_state_dict(copy.deepcopy(lead.optimizer.state_dict()))  # no shared moments
+        trainer.local_steps = lead.local_steps
+    return stats.tokens
+
+
 def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, seed: int = 0,
              paces: Optional[Sequence[float]] = None,
-             schedule: Optional[Sequence[Sequence[int]]] = None) -> SimulationResult:
+             schedule: Optional[Sequence[Sequence[int]]] = None, warm_steps: int = 0) -> SimulationResult:
     """``rounds`` outer rounds of ``replicas`` replicas; ``paces``: each replica's seconds per inner step
     (default: all equal), which sets its steps and so its tokens and weight in every round. ``schedule``
     instead gives the steps of every replica in every round (``schedule[round][replica]``), e.g. the steps
-    that real peers' metrics report, to replay their run."""
+    that real peers' metrics report, to replay their run. ``warm_steps``: data-parallel steps first
+    (``warm_start``), evaluated as round 0."""
     run = run.resolved()
     codec = get_codec(run.compression)
     corpus = load_corpus(run.dataset, ByteTokenizer(), run.seq_len, run.eval_fraction)
@@ -99,10 +118,16 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
     feedbacks = [ErrorFeedback(codec, layout.numel, enabled=run.error_feedback) for _ in range(replicas)]
     result = SimulationResult(initial_loss=trainers[0].evaluate(eval_batches))
     tokens, sent, train_losses = 0, 0, []
+    if warm_steps:
+        tokens = warm_start(trainers, streams, run.batch_size, warm_steps)
+        sent = replicas * warm_steps * get_codec("none").wire_bytes(layout.numel)  # each an fp32 gradient a step
+        layout.gather(trainers[0].params, params)
+        result.record(trainers[0].evaluate(eval_batches), 0, tokens, sent / replicas)
     for round_index in range(rounds):
         contributions, weights = [], []
+        global_step = warm_steps + round_index * run.inner_steps
         for trainer, stream, feedback, count in zip(trainers, streams, feedbacks, schedule[round_index]):
-            stats = trainer.train(batches(stream, run.batch_size), count, global_step=round_index * run.inner_steps)
+            stats = trainer.train(batches(stream, run.batch_size), count, global_step=global_step)
             delta = layout.gather(trainer.params, layout.empty())
             torch.sub(params, delta, out=delta)
             feedback.commit(delta)  # delta becomes what this replica sends
@@ -130,9 +155,8 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
 
 def data_parallel(run: RunConfig, replicas: int, steps: int, eval_every: int = 1, seed: int = 0) -> SimulationResult:
     """Synchronous data-parallel training for ``steps`` steps: each step, every replica takes a batch from its
-    own stream and the replicas' gradients are averaged before one AdamW step (InnerTrainer accumulates the
-    M batches as M micro-batches of loss / M: the average of the M gradients), then clipped. Each replica
-    sends its full fp32 gradient every step."""
+    own stream and the replicas' gradients are averaged (``together``) before one clipped AdamW step. Each
+    replica sends its full fp32 gradient every step."""
     run = run.resolved()
     corpus = load_corpus(run.dataset, ByteTokenizer(), run.seq_len, run.eval_fraction)
     eval_batches = corpus.eval_batches(run.eval_batches, run.batch_size)
@@ -140,11 +164,11 @@ def data_parallel(run: RunConfig, replicas: int, steps: int, eval_every: int = 1
     trainer = InnerTrainer(model, run, torch.device("cpu"), micro_batch=run.batch_size)
     streams = [corpus.stream(seed, f"replica-{i}", 0) for i in range(replicas)]
     gradient_bytes = get_codec("none").wire_bytes(sum(p.numel() for p in trainer.params))
-    together = iter(lambda: torch.cat([stream.next_batch(run.batch_size) for stream in streams]), None)
+    data = together(streams, run.batch_size)
     result = SimulationResult(initial_loss=trainer.evaluate(eval_batches))
     done = tokens = 0
     while done < steps:
-        stats = trainer.train(together, min(eval_every, steps - done), global_step=done)
+        stats = trainer.train(data, min(eval_every, steps - done), global_step=done)
         done, tokens = done + stats.steps, tokens + stats.tokens
         result.record(trainer.evaluate(eval_batches), done, tokens, done * gradient_bytes)
         result.train_loss = stats.loss
