@@ -311,7 +311,12 @@ class SwarmAverager(DecentralizedAverager):
         future = MPFuture()
         self._outer_pipe.send(("_download_state", [], dict(
             donors=list(donors), state_hash=state_hash, timeout=timeout, part_timeout=part_timeout, future=future)))
-        return future.result(timeout=timeout + 10)
+        try:
+            return future.result(timeout=timeout + 10)
+        except TimeoutError:  # the averager process is overloaded or stuck: a failed download, not a crash
+            logger.warning(f"the averager process did not finish a state download within {timeout + 10:.0f}s")
+            future.cancel()
+            return None
 
     async def _download_state(self, donors: List[str], state_hash: str, timeout: float, part_timeout: float,
                               future: MPFuture) -> None:

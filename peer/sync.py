@@ -235,11 +235,11 @@ class Synchronizer:
                 else:
                     self._apply_alone(tokens, result)
                 break
-            self.averager.prepare_round(self.state.epoch, self.state.hash(), max(2, self.run.quorum), expected,
-                                        allreduce_timeout=self.deadlines.allreduce(1 + align),
-                                        part_timeout=self.deadlines.part(1 + align))
             attempt_started = time.monotonic()
             try:
+                self.averager.prepare_round(self.state.epoch, self.state.hash(), max(2, self.run.quorum), expected,
+                                            allreduce_timeout=self.deadlines.allreduce(1 + align),
+                                            part_timeout=self.deadlines.part(1 + align))
                 outcome = self._average(tokens, tokens * self.run.stale_discount ** missed_rounds, align, deadline,
                                         missed_rounds)
             except Exception as e:  # AllreduceException, TimeoutError, or anything the averager process hit
