@@ -44,7 +44,7 @@ class RunConfig:
     stale_discount: float = opt(0.5, "a contribution stale by k rounds weighs tokens x this^k in the average")
     max_staleness: int = opt(4, "rounds of unmerged work after which a peer drops it and resyncs")
     clip_factor: float = opt(4.0, "robust aggregation: clip each part's deviation from the median to this many "
-                                  "median deviations (0 = plain weighted mean)")
+                                  "median deviations, reject one 10 times as far (0 = plain weighted mean)")
     ban_after: int = opt(3, "ignore a peer's parts for the rest of the run after this many rounds with bad parts "
                             "(0 = never)")
     quorum: int = opt(1, "smallest group that may apply an outer step; 1 = a lone peer never blocks")
