@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import ctypes
+import dataclasses
 import functools
 import os
+import shutil
 import signal
+import tempfile
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import RecordValidatorBase
-from hivemind.p2p import P2PDaemonError
+from hivemind.p2p import P2P, P2PDaemonError
 
 from dht.addresses import parse_maddrs
 from dht.cli import opt, require_positive
 from dht.errors import UserError
-from dht.validation import signer
+from dht.validation import adopt_identity, signer
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -86,23 +90,55 @@ class SwarmDHT(hivemind.DHT):
         super().run()
 
 
-def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase] = ()) -> SwarmDHT:
-    """Start a DHT node; every failure a user can cause becomes a one-line ``UserError``. Every node signs its
-    records and checks others' signatures (``dht/validation.py``); ``record_validators`` add to that."""
-    validators = list(record_validators)
-    if not any(isinstance(v, RSASignatureValidator) for v in validators):
-        validators.insert(0, signer())
-    initial_peers = [str(m) for m in parse_maddrs(config.initial_peers, flag="--initial-peers", need_peer_id=True)]
+def _check_identity_dir(config: DHTConfig) -> None:
     if config.identity_path:
         directory = os.path.dirname(os.path.abspath(config.identity_path))
         if not os.path.isdir(directory):
             raise UserError(f"--identity-path: directory {directory} does not exist; create it first")
+
+
+def signing_identity(config: DHTConfig) -> Tuple[DHTConfig, bool]:
+    """Give this node an identity file (a fresh one in a temporary directory when ``identity_path`` is unset)
+    and sign this process's DHT records with its key (``dht.validation.adopt_identity``), so that the peer id
+    is the signer's. Returns the config with the path, and whether the identity is new: nobody else can be
+    using a new one, so ``start_dht`` need not ask the swarm. Call it before making any validator."""
+    _check_identity_dir(config)
+    if config.identity_path is None:
+        directory = tempfile.mkdtemp(prefix="diloco-identity-")
+        atexit.register(shutil.rmtree, directory, True)
+        config = dataclasses.replace(config, identity_path=os.path.join(directory, "identity.key"))
+    fresh = not os.path.exists(config.identity_path)
+    if fresh:
+        P2P.generate_identity(config.identity_path)
+    try:
+        adopt_identity(config.identity_path)
+    except Exception as e:
+        raise UserError(f"--identity-path {config.identity_path} is not a p2p identity file ({first_words(e)}); "
+                        f"point it at another file (a missing one is created)") from None
+    return config, fresh
+
+
+def first_words(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+
+
+def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase] = (),
+              check_identity: bool = True) -> SwarmDHT:
+    """Start a DHT node; every failure a user can cause becomes a one-line ``UserError``. Every node signs its
+    records and checks others' signatures (``dht/validation.py``); ``record_validators`` add to that.
+    ``check_identity``: ask the swarm whether a live peer already uses ``identity_path`` (hivemind's check)."""
+    validators = list(record_validators)
+    if not any(isinstance(v, RSASignatureValidator) for v in validators):
+        validators.insert(0, signer())
+    initial_peers = [str(m) for m in parse_maddrs(config.initial_peers, flag="--initial-peers", need_peer_id=True)]
+    _check_identity_dir(config)
     try:
         return SwarmDHT(
             initial_peers=initial_peers,
             host_maddrs=list(config.host_maddrs),
             announce_maddrs=list(config.announce_maddrs) or None,
             identity_path=config.identity_path,
+            check_if_identity_free=check_identity,
             client_mode=config.client_mode,
             record_validators=validators,
             startup_timeout=config.startup_timeout,

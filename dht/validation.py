@@ -5,18 +5,27 @@
   that key can write it: a record signed by any other key, or not signed, is refused by every node
   that stores it and by every reader. ``start_dht`` installs the validator on every node we start
   (bootstrap, peers, ``status``), so all of them check.
+- A peer signs with the key of its p2p identity (``adopt_identity``): its peer id is the hash of the
+  owner key in its subkey, so a reader checks that a record's peer id belongs to its signer
+  (``subkey_peer_id``). No one can publish a record in another peer's name under a key of their own.
 - Within a run, values must match a schema (hivemind's ``SchemaValidator`` with pydantic): a peer
   record's fields and their types, and the manifest's shape. A malformed store is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Dict, List, Optional, Union
 
+import base58
+import multihash
 import pydantic.v1 as pydantic
+from cryptography.hazmat.primitives import serialization
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
 
 Number = Union[pydantic.StrictInt, pydantic.StrictFloat]
 OWNER = b"[owner:"
@@ -32,11 +41,43 @@ def record_subkey(peer_id: str) -> bytes:
     return peer_id.encode() + signer().local_public_key
 
 
+def adopt_identity(identity_path: str) -> None:
+    """Sign this process's records with the RSA key of its p2p identity file (hivemind's format: a libp2p
+    PrivateKey protobuf holding a DER key). Call it before any validator or subkey is made."""
+    with open(identity_path, "rb") as file:
+        der = crypto_pb2.PrivateKey.FromString(file.read()).data
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": der})  # hivemind's own unpickling path: a key from DER bytes
+    with RSAPrivateKey._process_wide_key_lock:
+        RSAPrivateKey._process_wide_key = key
+
+
+def peer_id_of(owner_key: bytes) -> str:
+    """The libp2p peer id of an RSA public key in OpenSSH form: the sha2-256 multihash of the key's
+    protobuf (libp2p's peer-id spec, as hivemind's ``PeerID.from_identity`` computes it)."""
+    public = serialization.load_ssh_public_key(owner_key).public_bytes(
+        encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=public).SerializeToString()
+    digest = multihash.encode(hashlib.sha256(encoded).digest(), multihash.coerce_code("sha2-256"))
+    return base58.b58encode(digest).decode()
+
+
+def signing_peer_id() -> str:
+    """The peer id of the key this process signs its records with (its p2p identity's, once adopted)."""
+    return peer_id_of(signer().local_public_key[len(OWNER):-1])
+
+
 def subkey_peer_id(subkey: Any) -> Optional[str]:
-    """The peer id a subkey names, or None if it is not ``record_subkey``'s shape."""
-    if not isinstance(subkey, bytes) or OWNER not in subkey:
+    """The peer id a subkey names, or None if it is not ``record_subkey``'s shape or its owner key is not
+    that peer's identity (a record published in another peer's name)."""
+    if not isinstance(subkey, bytes) or OWNER not in subkey or not subkey.endswith(b"]"):
         return None
-    return subkey.split(OWNER, 1)[0].decode(errors="replace")
+    claimed, owner = subkey.split(OWNER, 1)
+    try:
+        owner_id = peer_id_of(owner[:-1])
+    except (ValueError, TypeError):
+        return None
+    return owner_id if owner_id == claimed.decode(errors="replace") else None
 
 
 class PeerRecordModel(pydantic.BaseModel):

@@ -25,7 +25,7 @@ from compression.feedback import ErrorFeedback, roundtrip
 from dht.addresses import parse_maddrs
 from dht.errors import UserError
 from dht.manifest import MANIFEST_TTL, RunManifest, join_or_create, publish_manifest, run_namespace
-from dht.node import DHTConfig, start_dht, visible_maddrs
+from dht.node import DHTConfig, signing_identity, start_dht, visible_maddrs
 from dht.validation import run_validators
 from peer.averager import SwarmAverager
 from peer.checkpoint import load_checkpoint, save_checkpoint
@@ -74,7 +74,8 @@ class Peer:
             payload = load_checkpoint(self.node.checkpoint_dir)  # a corrupt file fails here, before any network
             if net.identity_path is None:
                 net = dataclasses.replace(net, identity_path=os.path.join(self.node.checkpoint_dir, "identity.key"))
-        self.dht = start_dht(net, run_validators(self.namespace))
+        net, fresh = signing_identity(net)  # our records are signed with our peer id's own key
+        self.dht = start_dht(net, run_validators(self.namespace), check_identity=not fresh)
         self.peer_id = self.dht.peer_id.to_base58()
         self.manifest = self._resolve_manifest(payload)
         self.run = run = RunConfig.from_settings(dict(self.manifest.settings))

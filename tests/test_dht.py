@@ -10,6 +10,7 @@ from dht.errors import UserError
 from dht.manifest import RunManifest, fetch_manifest, join_or_create, manifest_key, publish_manifest
 from dht.node import LOOPBACK, DHTConfig, start_dht
 from dht.records import PeerRecord, RecordPublisher, fetch_records, publish_record
+from dht.validation import signing_peer_id
 from tests.swarm import wait_until
 
 
@@ -44,16 +45,17 @@ def test_tampered_manifest_is_ignored(two_nodes):
 
 def test_records_replace_older_ones_and_are_read_by_others(two_nodes):
     first, second = two_nodes
+    me = signing_peer_id()
     publisher = RecordPublisher(first, "run-e")
     for epoch in range(3):
         # the ttl shrinks, yet each new record must still replace the last one
-        publisher.publish(PeerRecord("peer-1", epoch, f"h{epoch}", 10 * epoch, "m"), ttl=60 - 20 * epoch)
+        publisher.publish(PeerRecord(me, epoch, f"h{epoch}", 10 * epoch, "m"), ttl=60 - 20 * epoch)
     # stores run in the background: wait for the last one to land
     def newest():
         records = fetch_records(second, "run-e") or {}
-        return "peer-1" in records and records["peer-1"].epoch == 2 and records
+        return me in records and records[me].epoch == 2 and records
 
-    assert list(wait_until(newest, 10, "the newest record to reach the other node")) == ["peer-1"]
+    assert list(wait_until(newest, 10, "the newest record to reach the other node")) == [me]
 
 
 def test_port_in_use_is_a_user_error():
@@ -66,8 +68,10 @@ def test_port_in_use_is_a_user_error():
 
 
 def test_records_are_signed_and_a_forged_or_malformed_one_is_refused(two_nodes):
-    """A peer's record lives under a subkey that holds its public key: a store signed by another key (here:
-    a node with a key of its own writing under our subkey) is refused, and the schema refuses bad values."""
+    """A peer's record lives under a subkey that holds its public key, whose hash is its peer id: a store
+    signed by another key (here: a node with a key of its own writing under our subkey) is refused, a record
+    in our name under the forger's own subkey is stored but ignored by every reader, and the schema refuses
+    bad values."""
     from hivemind.dht.crypto import RSASignatureValidator
     from hivemind.utils import get_dht_time
     from hivemind.utils.crypto import RSAPrivateKey
@@ -76,21 +80,26 @@ def test_records_are_signed_and_a_forged_or_malformed_one_is_refused(two_nodes):
     from dht.validation import record_subkey, run_validators
 
     first, second = two_nodes
-    genuine = PeerRecord("peer-9", 4, "h4", 40, "m")
+    me = signing_peer_id()
+    genuine = PeerRecord(me, 4, "h4", 40, "m")
     assert publish_record(first, "run-f", genuine, get_dht_time() + 60)
+    forger_key = RSASignatureValidator(RSAPrivateKey())
     forger = start_dht(DHTConfig(host_maddrs=(LOOPBACK,),
                                  initial_peers=tuple(str(m) for m in first.get_visible_maddrs())),
-                       [RSASignatureValidator(RSAPrivateKey()), *run_validators("run-f")[1:]])
+                       [forger_key, *run_validators("run-f")[1:]])
     try:
-        forged = dict(genuine.__dict__, epoch=99, state_hash="evil", tokens_total=10**9)
-        assert not forger.store(peers_key("run-f"), forged, get_dht_time() + 120, subkey=record_subkey("peer-9"))
-        record = (fetch_records(second, "run-f") or {}).get("peer-9")
+        forged = dict(genuine.__dict__, epoch=99, state_hash="evil", tokens_total=10**9, updated_at=get_dht_time())
+        assert not forger.store(peers_key("run-f"), forged, get_dht_time() + 120, subkey=record_subkey(me))
+        # signed by the forger, under its own key, in our name (a later, better-looking record): stored, ignored
+        impostor = me.encode() + forger_key.local_public_key
+        assert forger.store(peers_key("run-f"), forged, get_dht_time() + 120, subkey=impostor)
+        record = (fetch_records(second, "run-f") or {}).get(me)
         assert record is not None and (record.epoch, record.state_hash) == (4, "h4"), record
         # a value that breaks the schema is refused even under the writer's own subkey
         checked = start_dht(DHTConfig(host_maddrs=(LOOPBACK,)), run_validators("run-f"))
         try:
             bad = dict(genuine.__dict__, epoch="four")
-            assert not checked.store(peers_key("run-f"), bad, get_dht_time() + 60, subkey=record_subkey("peer-8"))
+            assert not checked.store(peers_key("run-f"), bad, get_dht_time() + 60, subkey=record_subkey(me))
         finally:
             checked.shutdown()
     finally:
@@ -140,7 +149,7 @@ def test_a_strangers_manifest_does_not_replace_the_run_and_run_key_pins_the_crea
 
     first, second = two_nodes
     real = join_or_create(first, RunManifest("run-h", {"model": "tiny"}))
-    publish_record(first, "run-h", PeerRecord("peer-1", 1, "h", 10, real.hash), get_dht_time() + 60)
+    publish_record(first, "run-h", PeerRecord(signing_peer_id(), 1, "h", 10, real.hash), get_dht_time() + 60)
     fake = RunManifest("run-h", {"model": "1b"}).signed(RSAPrivateKey())
     assert fake.verified() and publish_manifest(second, fake)
     assert fetch_manifest(second, "run-h") == real  # the manifest a live peer trains with
