@@ -49,7 +49,10 @@ def save_checkpoint(directory: str, payload: Dict[str, Any],
         finally:
             os.close(descriptor)
         return True
-    except OSError as e:
+    except (OSError, RuntimeError) as failure:
+        e = _os_error(failure)
+        if e is None:
+            raise
         reason = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else e.strerror or repr(e)
         logger.error(f"checkpoint not written to {final}: {reason}; the previous checkpoint is kept. "
                      f"Free some space and training will checkpoint again next round")
@@ -58,6 +61,14 @@ def save_checkpoint(directory: str, payload: Dict[str, Any],
         except OSError:
             pass
         return False
+
+
+def _os_error(error: BaseException) -> Optional[OSError]:
+    """The OSError behind ``error``: torch.save's zip writer turns a full disk (ENOSPC) into a RuntimeError
+    ("unexpected pos ...") raised while cleaning up, with the OSError as its context."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 def load_checkpoint(directory: str) -> Optional[Dict[str, Any]]:

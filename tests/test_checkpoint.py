@@ -2,6 +2,7 @@
 
 import errno
 import os
+import subprocess
 
 import pytest
 import torch
@@ -41,3 +42,25 @@ def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caplog):
     monkeypatch.undo()
     assert load_checkpoint(str(tmp_path))["epoch"] == 1
     assert os.listdir(tmp_path) == ["state.pt"]  # no temporary file left behind
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 512 KiB filesystem (tmpfs), where mounting one is allowed (root on Linux)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root on Linux)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_really_full_disk_keeps_the_previous_checkpoint(small_disk, caplog):
+    """No mock: the second checkpoint does not fit beside the first on a 512 KiB filesystem."""
+    save_checkpoint(str(small_disk), dict(epoch=1, params=torch.ones(50_000)))  # 200 KB
+    assert not save_checkpoint(str(small_disk), dict(epoch=2, params=torch.ones(100_000)))  # 400 KB more
+    assert "the disk is full; the previous checkpoint is kept" in caplog.text
+    saved = load_checkpoint(str(small_disk))
+    assert saved["epoch"] == 1 and torch.equal(saved["params"], torch.ones(50_000))
+    assert os.listdir(small_disk) == ["state.pt"]  # no temporary file left behind
