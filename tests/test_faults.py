@@ -83,7 +83,7 @@ def test_freeze_slow_or_partition_at_every_phase(request, tmp_path, kind, second
     down) at each phase in turn, the donor phase last."""
     swarm = request.getfixturevalue("netns_swarm" if kind == "partition" else "swarm")
     plan = ",".join(f"{kind}@{phase}:{epoch}+{seconds}" for phase, epoch in
-                    (("inner", 2), ("matchmaking", 4), ("send", 6), ("reduce", 8), ("checkpoint", 10), ("donor", 12)))
+                    (("inner", 2), ("matchmaking", 3), ("send", 4), ("reduce", 5), ("checkpoint", 6), ("donor", 7)))
     survivors = [swarm.peer(f"p{i}") for i in range(2)]
     victim = swarm.peer("victim", "--fault-plan", plan, "--checkpoint-dir", str(tmp_path / "victim"),
                         namespace=0 if kind == "partition" else None)
