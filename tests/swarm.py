@@ -6,6 +6,8 @@ DHT, p2p daemon) with one killpg, and ``Swarm.close`` reaps everything a test st
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import re
@@ -83,6 +85,11 @@ class Proc:
         except ProcessLookupError:
             pass
         self.popen.wait()
+        # a SIGKILLed peer's shared tensors outlive it in /dev/shm (torch's file_system strategy; its
+        # torch_shm_manager died in the same process group): a suite would leak gigabytes over a day
+        for leftover in glob.glob(f"/dev/shm/torch_{self.popen.pid}_*"):
+            with contextlib.suppress(OSError):
+                os.remove(leftover)
 
 
 def peer_command(*args: str) -> List[str]:
