@@ -196,7 +196,8 @@ class Synchronizer:
         ``missed_rounds``: rounds in a row this peer's work went unmerged; it weighs
         tokens x stale_discount^missed_rounds in the average (DESIGN.md step 6). A peer that misses a group
         while others hold its state does not step alone (that would fork the run); it catches up and
-        contributes later. Only after MAX_MISSED such rounds does a quorum-1 peer go on alone.
+        contributes later. Only after MAX_MISSED such rounds, and with no other responsive peer at its state, does a
+        quorum-1 peer go on alone.
         ``step_seconds``: this peer's recent seconds per inner step, shared with the group so that every
         member computes the same length for the next round (H steps of the median member).
         """
@@ -264,9 +265,9 @@ class Synchronizer:
                 if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0)):
                     result.rebased = True
                     result.error = "missed the group; caught up, contributing at the next sync"
-                elif missed_rounds + 1 >= MAX_MISSED:
-                    self._apply_alone(tokens, result)
-                else:
+                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), self.my_record()) == 1:
+                    self._apply_alone(tokens, result)  # the others at our state went silent: we are alone
+                else:  # stepping alone while others at our state are alive would fork the run (a minority of 1)
                     result.error = f"no group formed with the {expected - 1} peer(s) at our state; retrying next round"
                 break
             self.deadlines.observe(outcome.get("seconds", 0.0), size=1 + align)
