@@ -143,6 +143,7 @@ class Runs:
         self.path = path
         self.done: Dict[str, dict] = json.loads(path.read_text()) if path and path.exists() else {}
         self.seconds = [0.0, 0.0]  # wall-clock and CPU seconds the runs used took when they ran
+        self.used = 0
 
     def _get(self, key: dict, compute) -> SimulationResult:
         text = json.dumps(key, sort_keys=True)
@@ -156,7 +157,7 @@ class Runs:
                   f"{entry['cpu_seconds']:.0f}s cpu)", flush=True)
             if self.path:
                 self.path.write_text(json.dumps(self.done))
-        entry = dict(self.done[text])
+        entry, self.used = dict(self.done[text]), self.used + 1
         self.seconds[0] += entry.pop("wall_seconds", float("nan"))
         self.seconds[1] += entry.pop("cpu_seconds", float("nan"))
         return SimulationResult(**entry)
@@ -171,9 +172,8 @@ class Runs:
             key.update(warm_steps=warm)
         return self._get(key, lambda: simulate(run, cell.replicas, rounds, every, seed, cell.paces(), warm_steps=warm))
 
-    def data_parallel(self, replicas: int, args, seed: int) -> SimulationResult:
-        steps = dp_steps(replicas, args)
-        run, every = base_run(args, lr_decay_steps=steps), dp_eval_every(replicas, args)
+    def data_parallel(self, replicas: int, args, seed: int, steps: int, every: int) -> SimulationResult:
+        run = base_run(args, lr_decay_steps=steps)
         key = dict(kind="data-parallel", settings=run.to_settings(), replicas=replicas, steps=steps, seed=seed,
                    eval_every=every)
         return self._get(key, lambda: data_parallel(run, replicas, steps, every, seed))
@@ -193,16 +193,24 @@ class Row:
 
     @property
     def gap(self) -> float:
-        """Eval-loss gap to data-parallel in %, of the means over seeds."""
-        return 100 * (self.loss / statistics.mean(r.eval_losses[-1] for r in self.baseline) - 1)
+        """Eval-loss gap in % of the mean over seeds to data-parallel's (mean) at the same tokens: rounds of H
+        steps need not end exactly at data-parallel's last step (past it, data-parallel's last evaluation)."""
+        return float(self.gap_curve()[1][-1])
 
     @property
     def bytes_sent(self) -> float:
         return statistics.mean(r.bytes_sent[-1] for r in self.results)
 
     @property
+    def tokens(self) -> int:
+        return self.results[0].tokens[-1]
+
+    @property
     def ratio(self) -> float:
-        return statistics.mean(r.bytes_sent[-1] for r in self.baseline) / self.bytes_sent
+        """Data-parallel's bytes for as many tokens as this row trained on (it sends a gradient every step), over
+        this row's bytes."""
+        baseline = self.baseline[0]
+        return baseline.bytes_sent[-1] * self.tokens / baseline.tokens[-1] / self.bytes_sent
 
     @property
     def equivalent(self) -> float:
@@ -225,13 +233,20 @@ class Row:
 
 def run_sweep(args, runs: Runs) -> List[Row]:
     sweep = cells(args)
-    baselines = {m: [runs.data_parallel(m, args, seed) for seed in args.seeds]
-                 for m in sorted({cell.replicas for cell in sweep})}
+    baselines = {m: [runs.data_parallel(m, args, seed, dp_steps(m, args), dp_eval_every(m, args))
+                     for seed in args.seeds] for m in sorted({cell.replicas for cell in sweep})}
     rows = [Row(f"data-parallel M={m}", None, m, results, results) for m, results in baselines.items()]
     for cell in sweep:
         results = [runs.diloco(cell, args, seed) for seed in args.seeds]
         rows.append(Row(cell.label, cell, cell.replicas, results, baselines[cell.replicas]))
     return rows
+
+
+def lone_replica(runs: Runs, args) -> List[SimulationResult]:
+    """One replica alone for as many steps as each of the centre's replicas takes (1/M of the tokens): what
+    DiLoCo's averaging of M such replicas adds."""
+    steps, every = dp_steps(args.replicas, args), dp_eval_every(args.replicas, args)
+    return [runs.data_parallel(1, args, seed, steps, every) for seed in args.seeds]
 
 
 def fmt_bytes(count: float) -> str:
@@ -289,6 +304,26 @@ def gap_over_training(rows: List[Row]) -> str:
     for index, (count, gap) in enumerate(zip(tokens, gaps)):
         lines.append(f"| {count / 1e6:.2f}M | {centre.results[0].eval_rounds[index]} | {loss[index]:.4f} | "
                      f"{gap:+.2f}% |")
+    return "\n".join(lines)
+
+
+def gap_sources(rows: List[Row], lone: List[SimulationResult], args) -> str:
+    """The cells that show where the centre's gap comes from, by axis, and a lone replica for reference."""
+    centre, lines = find(rows, "centre"), []
+    for axis, what in (("H", "rounds (H)"), ("M", "replicas (M)"), ("outer-lr", "outer learning rate"),
+                       ("averaging", "outer optimizer"), ("warm-start", "warm start")):
+        shown = sorted([centre] + [row for row in rows if row.cell is not None and row.cell.axis == axis],
+                       key=lambda row: (row.cell.inner_steps, row.cell.replicas, row.cell.outer_lr, row.cell.warm))
+        if len(shown) > 1:
+            lines.append(f"- {what}: " + "; ".join(
+                f"{row.label} ({row.results[0].eval_rounds[-1]} rounds) {row.gap:+.2f}%" for row in shown) + ".")
+    losses = [r.eval_losses[-1] for r in lone]
+    dp = find(rows, f"data-parallel M={centre.replicas}")
+    lines.append(f"- One replica alone for as many steps ({lone[0].eval_rounds[-1]}) of {args.batch_size} x "
+                 f"{args.seq_len} tokens as each of the centre's replicas (1/{centre.replicas} of the tokens, no "
+                 f"communication): eval loss {statistics.mean(losses):.4f} ({' / '.join(f'{x:.4f}' for x in losses)});"
+                 f" the centre's {centre.replicas} such replicas, averaged every {centre.cell.inner_steps} steps: "
+                 f"{centre.loss:.4f}; data-parallel: {dp.loss:.4f}.")
     return "\n".join(lines)
 
 
@@ -362,17 +397,18 @@ def setup(args) -> str:
             f"data-parallel with one seed see the same M streams).")
 
 
-def sweep_report(rows: List[Row], args, argv: Sequence[str], runs: Runs) -> str:
+def sweep_report(rows: List[Row], lone: List[SimulationResult], args, argv: Sequence[str], runs: Runs) -> str:
     command = shlex.join(["python", "-m", "bench.convergence", *argv])
     initial = statistics.mean(r.initial_loss for r in rows[0].results)
     wall, cpu = runs.seconds
-    parts = [f"Command: `{command}`. Its {sum(len(row.results) for row in rows)} "
+    parts = [f"Command: `{command}`. Its {runs.used} "
              f"runs took {cpu / 60:.0f} min of CPU ({wall / 60:.0f} min wall-clock) on "
              f"{torch.get_num_threads()} thread(s).",
              setup(args) + f" Initial held-out loss: {initial:.4f}.",
              "## Goal\n\n" + goal(rows, args),
              "## Every cell\n\n" + table(rows, args),
-             "## The centre's gap over training\n\n" + gap_over_training(rows)]
+             "## The centre's gap over training\n\n" + gap_over_training(rows),
+             "## Where the gap comes from\n\n" + gap_sources(rows, lone, args)]
     if effects(rows):
         parts.append("## Momentum alignment and error feedback, as measured\n\n" + effects(rows))
     return "\n\n".join(parts)
@@ -555,8 +591,8 @@ def main(argv=None) -> int:
         text, name = multi_peer(args, argv), "multi-peer"
     else:
         runs = Runs(args.cache)
-        rows = run_sweep(args, runs)
-        text, name = sweep_report(rows, args, argv, runs), "sweep"
+        rows, lone = run_sweep(args, runs), lone_replica(runs, args)
+        text, name = sweep_report(rows, lone, args, argv, runs), "sweep"
         if args.plot:
             plot(rows, args.plot)
     print(text, flush=True)

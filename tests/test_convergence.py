@@ -47,7 +47,7 @@ def test_diloco_learns_and_sends_fewer_bytes_than_data_parallel(quick):
     paths, runs = quick
     for run in runs:
         assert run["eval_losses"][-1] < run["initial_loss"] - 1.0, run["kind"]  # ~5.5 (uniform bytes) down to ~2.7
-        assert run["tokens"][-1] >= 0.9 * 80_000
+        assert run["tokens"][-1] >= 0.9 * 80_000 / (2 if run["replicas"] == 1 else 1)  # a lone replica: 1/M
     table = rows(paths["out"].read_text())
     ratio = {cell: number(columns["data-parallel's bytes / these"]) for cell, columns in table.items()}
     assert ratio.pop("data-parallel M=2") == 1
