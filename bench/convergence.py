@@ -363,16 +363,17 @@ def plot(rows: List[Row], path: Path) -> None:
             right.plot(*row.gap_curve(), ls="--", lw=1, label=f"DiLoCo {row.label}")
     left.set(xlabel="tokens (all replicas)", ylabel="held-out eval loss",
              title=f"M={centre.replicas}, {centre.cell.compression}: eval loss")
-    lowest, dp_losses = min(line.get_ydata().min() for line in left.get_lines()), dp.curve()[1]
-    left.set_ylim(lowest - 0.05, dp_losses[min(1, len(dp_losses) - 1)])  # from data-parallel's 2nd evaluation
+    lowest = min(line.get_ydata().min() for line in left.get_lines())
+    left.set_ylim(lowest - 0.05, max(row.curve()[1][min(2, len(row.curve()[1]) - 1)] for row in shown) + 0.05)
     right.axhline(1.0, color="grey", ls=":", lw=1, label="goal: +1%")
     right.axhline(0.0, color="k", lw=0.8)
     right.set(xlabel="tokens (all replicas)", ylabel="gap to data-parallel (%)",
               title="gap to data-parallel at the same tokens")
-    right.set_ylim(min(-2.0, right.get_ylim()[0]), min(right.get_ylim()[1], 40))
+    right.set_ylim(min(-2.0, right.get_ylim()[0]), min(right.get_ylim()[1] * 1.3, 60))  # room for the legend
     for axes in (left, right):
         axes.grid(alpha=0.3)
-        axes.legend(fontsize=8)
+    left.legend(fontsize=8)
+    right.legend(fontsize=7, ncol=2, loc="upper left")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -571,9 +572,9 @@ def parse_args(argv: Sequence[str]):
     peers.add_argument("--peers", type=int, default=3)
     peers.add_argument("--rounds", type=int, default=20)
     peers.add_argument("--peer-inner-steps", type=int, default=20)
-    peers.add_argument("--peer-eval-batches", type=int, default=16)
+    peers.add_argument("--peer-eval-batches", type=int, default=32)
     peers.add_argument("--peer-seeds", type=int, nargs="*", default=[0, 1])
-    peers.add_argument("--min-step-seconds", type=float, default=0.3)
+    peers.add_argument("--min-step-seconds", type=float, default=0.4)
     peers.add_argument("--peer-timeout", type=float, default=1200.0)
     args = parser.parse_args(argv)
     if args.quick:
