@@ -1,7 +1,7 @@
 """Compute utilization of a 4-peer swarm over emulated WAN links, with and without overlap, against hivemind.
 
     nice -n 19 python -m bench.wan --out bench/results/wan.md     # the full matrix (root): about an hour
-    nice -n 19 python -m bench.wan --quick                         # a smoke run: about 4 minutes
+    nice -n 19 python -m bench.wan --quick                         # a smoke run: 3-6 minutes
 
 The full matrix is 18 swarms of 4, each ~3 minutes (startup, a first round, 3 measured rounds of 30 s):
 56 minutes measured on a busy 2-core machine. ``--presets tiny`` or ``--rounds 2`` cut it to about half or
