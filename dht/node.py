@@ -21,7 +21,7 @@ from hivemind.p2p import P2P, P2PDaemonError
 
 from dht.addresses import parse_maddrs
 from dht.cli import opt, require_positive
-from dht.errors import UserError
+from dht.errors import UserError, first_line
 from dht.validation import adopt_identity, signer
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -113,13 +113,9 @@ def signing_identity(config: DHTConfig) -> Tuple[DHTConfig, bool]:
     try:
         adopt_identity(config.identity_path)
     except Exception as e:
-        raise UserError(f"--identity-path {config.identity_path} is not a p2p identity file ({first_words(e)}); "
+        raise UserError(f"--identity-path {config.identity_path} is not a p2p identity file ({first_line(e, 120)}); "
                         f"point it at another file (a missing one is created)") from None
     return config, fresh
-
-
-def first_words(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
 
 
 def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase] = (),

@@ -30,6 +30,7 @@ from hivemind.utils import get_dht_time
 
 from compression import get_codec
 from compression.feedback import ErrorFeedback
+from dht.errors import first_line
 from dht.node import reach_out
 from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.allreduce import MaybeApplied, MinorityGroup
@@ -48,12 +49,6 @@ logger = logging.getLogger(__name__)
 NO_GROUP = "could not find a group"
 SETTLE_SECONDS, SETTLE_POLL = 2.0, 0.25  # how long a failed member looks for its group's finished state
 LOOKUP_TIMEOUT = 2.0  # seconds a look at the swarm's records may block training (a partition slows the DHT)
-
-
-def first_line(error: BaseException, limit: int = 200) -> str:
-    """An exception as one short line (p2p errors carry multi-line Go dial reports)."""
-    text = (str(error).strip().splitlines() or [repr(error)])[0]
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
