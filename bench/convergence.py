@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -406,10 +407,13 @@ def sweep_report(rows: List[Row], lone: List[SimulationResult], args, argv: Sequ
              f"runs took {cpu / 60:.0f} min of CPU ({wall / 60:.0f} min wall-clock) on "
              f"{torch.get_num_threads()} thread(s).",
              setup(args) + f" Initial held-out loss: {initial:.4f}.",
-             "## Goal\n\n" + goal(rows, args),
-             "## Every cell\n\n" + table(rows, args),
-             "## The centre's gap over training\n\n" + gap_over_training(rows),
-             "## Where the gap comes from\n\n" + gap_sources(rows, lone, args)]
+             "## Goal\n\n" + goal(rows, args)]
+    if args.plot and args.out:
+        parts.append(f"![held-out eval loss and its gap to data-parallel against tokens]"
+                     f"({os.path.relpath(args.plot, args.out.parent)})")
+    parts += ["## Every cell\n\n" + table(rows, args),
+              "## The centre's gap over training\n\n" + gap_over_training(rows),
+              "## Where the gap comes from\n\n" + gap_sources(rows, lone, args)]
     if effects(rows):
         parts.append("## Momentum alignment and error feedback, as measured\n\n" + effects(rows))
     return "\n\n".join(parts)
