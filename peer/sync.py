@@ -215,11 +215,12 @@ class Synchronizer:
             if not self._fill_buffers(align):
                 result.error = "local pseudo-gradient is not finite: dropped this round's work"
                 break
-            expected = 1 + len(peers_with_state(self.records.values(), self.my_record()))
-            logger.debug(f"epoch {self.state.epoch} {self.state.hash()[:6]}: expecting a group of {expected}; "
+            mine = self.my_record()  # one state hash per attempt: hashing G and m is a pass over 2 x the model
+            expected = 1 + len(peers_with_state(self.records.values(), mine))
+            logger.debug(f"epoch {mine.epoch} {mine.state_hash[:6]}: expecting a group of {expected}; "
                          f"records {[(r.peer_id[-4:], r.epoch, r.state_hash[:6]) for r in self.records.values()]}")
             if expected == 1:  # nobody else holds our state: no one to average with now
-                behind = peers_behind(self.records.values(), self.my_record())
+                behind = peers_behind(self.records.values(), mine)
                 if self.lookup_failed and missed_rounds + 1 < MAX_MISSED:
                     # we could not read the swarm's records in time (slow links, a partition): stepping alone on
                     # a view that may be empty only because it is late would fork the run
@@ -233,11 +234,11 @@ class Synchronizer:
                 break
             attempt_started = time.monotonic()
             try:
-                self.averager.prepare_round(self.state.epoch, self.state.hash(), max(2, self.run.quorum), expected,
+                self.averager.prepare_round(mine.epoch, mine.state_hash, max(2, self.run.quorum), expected,
                                             allreduce_timeout=self.deadlines.allreduce(1 + align),
                                             part_timeout=self.deadlines.part(1 + align))
                 outcome = self._average(tokens, tokens * self.run.stale_discount ** missed_rounds, align, deadline,
-                                        missed_rounds)
+                                        missed_rounds, mine)
             except Exception as e:  # AllreduceException, TimeoutError, or anything the averager process hit
                 their_end = attempt_started + self.run.grace_seconds + self.deadlines.allreduce(1 + align)
                 if isinstance(e, MinorityGroup):  # the larger group applies this round: adopt its state when it does
@@ -260,7 +261,7 @@ class Synchronizer:
                 if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0)):
                     result.rebased = True
                     result.error = "missed the group; caught up, contributing at the next sync"
-                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), self.my_record()) == 1:
+                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), mine) == 1:
                     self._apply_alone(tokens, result)  # the others at our state went silent: we are alone
                 else:  # stepping alone while others at our state are alive would fork the run (a minority of 1)
                     result.error = f"no group formed with the {expected - 1} peer(s) at our state; retrying next round"
@@ -344,13 +345,13 @@ class Synchronizer:
         self.local.set(self.state.params)
         return False
 
-    def _average(self, tokens: int, weight: float, align: bool, deadline: float, missed_rounds: int) -> dict:
+    def _average(self, tokens: int, weight: float, align: bool, deadline: float, missed_rounds: int,
+                 mine: PeerRecord) -> dict:
         grace = self.run.grace_seconds
         if self.fault_hook is not None:
             self.fault_hook("matchmaking", self.state.epoch)
-        gather = dict(epoch=self.state.epoch, hash=self.state.hash(), tokens=tokens, align=align,
-                      step_seconds=self.step_seconds, voters=voters(self.records.values(), self.my_record()),
-                      missed=missed_rounds)
+        gather = dict(epoch=mine.epoch, hash=mine.state_hash, tokens=tokens, align=align,
+                      step_seconds=self.step_seconds, voters=voters(self.records.values(), mine), missed=missed_rounds)
         control = self.averager.step(
             gather=gather, weight=float(weight), scheduled_time=get_dht_time() + grace,
             timeout=grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False, wait=False,
