@@ -41,7 +41,12 @@ class GroupLostMember(AllreduceException):
 
 class MinorityGroup(AllreduceException):
     """The group holds too few of the peers at its state to apply a round (``peer.consensus.minority``);
-    nothing was sent."""
+    nothing was sent. The peers outside it are a majority: they may apply this round."""
+
+
+class NoMajority(MinorityGroup):
+    """As MinorityGroup, but the peers outside the group are no majority either (a 2|2 split): no group
+    applies this round, so there is no new state to wait for."""
 
 
 class MaybeApplied(GroupLostMember):

@@ -34,8 +34,8 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from compression import Codec
 from dht.node import init_child_process
-from peer.allreduce import ExactAllReduceRunner, GroupLostMember, MaybeApplied, MinorityGroup
-from peer.consensus import minority
+from peer.allreduce import ExactAllReduceRunner, GroupLostMember, MaybeApplied, MinorityGroup, NoMajority
+from peer.consensus import majority_elsewhere, minority
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class SwarmAverager(DecentralizedAverager):
             raise GroupLostMember("group members disagree on momentum alignment")
         why_not = minority(gathered)
         if why_not is not None:  # every member finds the same, from the same gathered data: nobody sends
-            raise MinorityGroup(why_not)
+            raise (MinorityGroup if majority_elsewhere(gathered) else NoMajority)(why_not)
         count = 2 if (align.pop() and self.has_moment) else 1
         size = sum(t.numel() for t in self._averaged_tensors[:count])
         download_bandwidths = [b if mode != AveragingMode.CLIENT else 0.0 for b, mode in zip(bandwidths, modes)]

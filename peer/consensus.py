@@ -57,10 +57,14 @@ def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord) -> List[Pe
             if r.peer_id != mine.peer_id and r.epoch == mine.epoch and r.state_hash == mine.state_hash]
 
 
-def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> int:
-    """How many responsive peers hold our exact state, us included: the electorate of the majority rule."""
+def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None, behind: bool = True) -> int:
+    """The electorate of the majority rule, us included: responsive peers at our exact state, and (``behind``)
+    responsive peers at an earlier epoch. The latter are about to catch up with the best state, or have already
+    and their new record has not reached us yet: a peer that has just caught up itself sees the others' older
+    records, and counting only exact matches it once took 2 of 5 for a majority (a fork, seen under load)."""
     now = get_dht_time() if now is None else now
-    return 1 + sum(responsive(r, now) for r in peers_with_state(records, mine))
+    count = 1 + sum(responsive(r, now) for r in peers_with_state(records, mine))
+    return count + len(peers_behind(records, mine, now)) if behind else count
 
 
 def minority(gathered: Dict[str, dict]) -> Optional[str]:
@@ -78,6 +82,12 @@ def minority(gathered: Dict[str, dict]) -> Optional[str]:
     if 2 * size > electorate or missed + 1 >= MAX_MISSED:
         return None
     return f"our group holds {size} of the {electorate} peers at our state, not a majority"
+
+
+def majority_elsewhere(gathered: Dict[str, dict]) -> bool:
+    """Could the peers outside this group hold a majority of the electorate (and so apply this round)?"""
+    electorate = max(int(info.get("voters", 1)) for info in gathered.values())
+    return 2 * (electorate - len(gathered)) > electorate
 
 
 def peers_behind(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[PeerRecord]:

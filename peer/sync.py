@@ -33,7 +33,7 @@ from compression.feedback import ErrorFeedback
 from dht.errors import first_line
 from dht.node import reach_out
 from dht.records import PeerRecord, RecordPublisher, fetch_records
-from peer.allreduce import MaybeApplied, MinorityGroup
+from peer.allreduce import MaybeApplied, MinorityGroup, NoMajority
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
 from peer.consensus import MAX_MISSED, choose_state, peers_behind, peers_with_state, responsive, voters
@@ -242,7 +242,7 @@ class Synchronizer:
             except Exception as e:  # AllreduceException, TimeoutError, or anything the averager process hit
                 their_end = attempt_started + self.run.grace_seconds + self.deadlines.allreduce(1 + align)
                 if isinstance(e, MinorityGroup):  # the larger group applies this round: adopt its state when it does
-                    if self._settle(min(deadline, their_end)):
+                    if not isinstance(e, NoMajority) and self._settle(min(deadline, their_end)):
                         result.rebased = True
                         result.error = f"{e}: adopted the larger group's state, contributing at its next sync"
                     else:
@@ -261,8 +261,10 @@ class Synchronizer:
                 if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0)):
                     result.rebased = True
                     result.error = "missed the group; caught up, contributing at the next sync"
-                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), mine) == 1:
-                    self._apply_alone(tokens, result)  # the others at our state went silent: we are alone
+                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), mine, behind=False) == 1:
+                    # the others at our state went silent: we are alone (peers behind us cannot join us now, and
+                    # a peer stuck behind must not stall us for good)
+                    self._apply_alone(tokens, result)
                 else:  # stepping alone while others at our state are alive would fork the run (a minority of 1)
                     result.error = f"no group formed with the {expected - 1} peer(s) at our state; retrying next round"
                 break

@@ -7,6 +7,7 @@ from peer.consensus import (
     MAX_MISSED,
     SILENCE_SLACK,
     choose_state,
+    majority_elsewhere,
     minority,
     peers_behind,
     peers_with_state,
@@ -62,12 +63,17 @@ def test_a_peer_silent_long_past_its_planned_sync_is_not_waited_for():
     assert len(peers_behind(busy, mine, now=150.0)) == 1
 
 
-def test_voters_are_the_responsive_peers_at_our_state():
+def test_voters_are_the_responsive_peers_at_our_state_or_behind_it():
     mine = record("me", 3, "aa", 10)
     others = [record("a", 3, "aa", 10, next_sync_at=100.0), record("frozen", 3, "aa", 10, next_sync_at=50.0),
               record("b", 3, "ab", 10, next_sync_at=100.0)]
     assert voters(others, mine, now=55.0) == 3  # me, a, and frozen until it is SILENCE_SLACK late
     assert voters(others, mine, now=50.0 + SILENCE_SLACK + 1) == 2
+    # a peer that just caught up sees the others' older records: they count, or 2 of 5 would look a majority
+    lagging = [record(p, 2, "old", 8, next_sync_at=100.0) for p in ("c", "d", "e")]
+    assert voters([record("f", 3, "aa", 10, next_sync_at=100.0), *lagging], mine, now=55.0) == 5
+    assert voters([*lagging, record("ahead", 4, "new", 12, next_sync_at=100.0)], mine, now=55.0) == 4
+    assert voters(lagging, mine, now=55.0, behind=False) == 1  # alone at our state: a lone step may follow
 
 
 def test_of_two_groups_split_from_one_state_only_the_majority_applies():
@@ -78,6 +84,7 @@ def test_of_two_groups_split_from_one_state_only_the_majority_applies():
     assert minority(group(2, 5)) == "our group holds 2 of the 5 peers at our state, not a majority"
     assert minority(group(2, 4)) is not None and minority(group(2, 3)) is None  # a 2|2 split: neither, this round
     assert minority(group(1, 1)) is None
+    assert majority_elsewhere(group(2, 5)) and not majority_elsewhere(group(2, 4))  # 2|2: nobody applies, no wait
     assert minority(group(2, 4, missed=MAX_MISSED - 1)) is None  # two minorities must not stall forever
     mixed = group(2, 3)
     mixed["p0"]["voters"] = 5  # members counted differently: the largest count rules, for every member alike
