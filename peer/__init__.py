@@ -6,7 +6,8 @@
 - ``model.py``      Llama presets built from transformers configs (tiny, small, 150m, 1b)
 - ``data.py``       tokenizers, bundled/local/streamed text, held-out split, per-peer order
 - ``inner.py``      the inner AdamW loop (warmup + cosine, clipping, accumulation, bf16 on GPU)
-- ``flat.py``       flat fp32 vectors for G, m, pseudo-gradients and moments
+- ``island.py``     a multi-process peer under torchrun: DDP inside, rank 0 speaks for the island
+- ``flat.py``       flat fp32 CPU vectors for G, m, pseudo-gradients and moments (pinned copies from GPUs)
 - ``outer.py``      GlobalState, its hash, the FMA-free Nesterov outer step
 - ``consensus.py``  fork choice, expected group, responsiveness, the swarm's schedule (over records)
 - ``sync.py``       one round's sync: catch up, average, apply

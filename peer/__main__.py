@@ -4,6 +4,7 @@
     python -m peer --initial-peers /ip4/.../p2p/...     # join a run: its settings come from the swarm
     python -m peer status --initial-peers ...           # the swarm's peers, epochs, losses and forks
     python -m peer plot METRICS.jsonl... -o loss.png    # loss, group size and bytes per round, per peer
+    torchrun --nproc-per-node 8 -m peer ...             # one peer of 8 GPUs: data-parallel inside (an island)
 """
 
 from __future__ import annotations
@@ -54,11 +55,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (UserError, ValueError) as e:
         return fail(str(e))
     setup_logging(node.verbose)
-    from peer.node import Peer  # imports torch and hivemind: after the flags are known to be fine
+    from peer.island import Island  # imports torch and hivemind: after the flags are known to be fine
+    from peer.node import Peer, run_follower
 
     peer = None
     try:
-        peer = Peer(run_flags, node, sync, net)
+        island = Island.from_env(node.device)  # under torchrun: this rank's place in its island
+        if island is not None and not island.leader:
+            try:
+                return run_follower(island, node)
+            finally:
+                island.close()
+        peer = Peer(run_flags, node, sync, net, island)
         peer.build()
         return peer.run_rounds()
     except (UserError, ValueError) as e:

@@ -108,6 +108,7 @@ class NodeConfig:
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
     micro_batch: int = opt(0, "sequences per forward pass; accumulates gradients up to --batch-size (0 = all)")
     threads: int = opt(0, "torch CPU threads (0 = torch's default)")
+    compile: bool = opt(False, "torch.compile the model: faster steps on a GPU after a compile of a minute or so")
     min_step_seconds: float = opt(0.0, "pad every inner step to at least this long: emulates a slower device, so "
                                        "that a benchmark of many peers on one machine does not measure CPU sharing")
     overlap: bool = opt(False, "run each round's sync in the background while the next round trains; the outer "

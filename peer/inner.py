@@ -1,16 +1,19 @@
 """The inner loop: AdamW on the local model, with warmup and cosine decay, clipping and accumulation.
 
 Like nanoGPT's loop, but bounded by a step budget and a wall-clock deadline, so a round ends after H
-steps or when the swarm's schedule says so. On CUDA it runs under bf16 autocast with fused AdamW.
+steps or when the swarm's schedule says so. On CUDA it runs under bf16 autocast with fused AdamW, and
+optionally compiled (``--compile``). In an island (peer/island.py) the model is wrapped in
+DistributedDataParallel and rank 0 tells the other ranks before each step what to do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, List, Sequence
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -28,12 +31,23 @@ class InnerStats:
 
 class InnerTrainer:
     def __init__(self, model: torch.nn.Module, run: RunConfig, device: torch.device, micro_batch: int = 0,
-                 min_step_seconds: float = 0.0):
-        self.model, self.run, self.device = model.to(device), run, device
-        self.min_step_seconds = min_step_seconds
+                 min_step_seconds: float = 0.0, island=None, compile: bool = False):
+        self.module, self.run, self.device = model.to(device), run, device
+        self.min_step_seconds, self.island = min_step_seconds, island
         # held for each step: with overlap, the background sync changes theta only between two steps
         self.step_lock = threading.Lock()
-        self.params: List[torch.nn.Parameter] = list(self.model.parameters())
+        self.params: List[torch.nn.Parameter] = list(self.module.parameters())
+        self.model = self.module  # what the training steps call: compiled, and DDP-wrapped in an island
+        if compile:
+            self.model = torch.compile(self.model)
+        if island is not None:
+            from torch.nn.parallel import DistributedDataParallel
+
+            with island.guard():  # DDP's construction broadcasts rank 0's weights: a collective
+                self.model = DistributedDataParallel(self.model, device_ids=[device] if device.type == "cuda" else None)
+        # theta or AdamW's state was changed from outside the steps (by the swarm): an island's rank 0 then
+        # sends its model to the other ranks before the next step
+        self.changed = True
         self.micro_batch = micro_batch or run.batch_size
         self.optimizer = torch.optim.AdamW(
             self.params, lr=run.lr, betas=(0.9, 0.95), weight_decay=run.weight_decay,
@@ -50,10 +64,33 @@ class InnerTrainer:
         cosine = run.min_lr_ratio + (1 - run.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         return run.lr * warmup * cosine
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+    def _loss(self, batch: torch.Tensor, model: Optional[torch.nn.Module] = None) -> torch.Tensor:
         batch = batch.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return self.model(input_ids=batch, labels=batch).loss
+            return (model or self.model)(input_ids=batch, labels=batch).loss
+
+    def touch(self) -> None:
+        """Someone other than the inner steps changed theta or the optimizer's state."""
+        self.changed = True
+
+    def step(self, batch: torch.Tensor, lr: float) -> float:
+        """One AdamW step on ``batch`` (accumulated over micro-batches); returns its mean loss."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro = batch.split(self.micro_batch)
+        total = 0.0
+        for index, chunk in enumerate(micro):
+            # in an island, DDP averages the gradients once, on the last micro-batch's backward
+            last = index == len(micro) - 1
+            with self.model.no_sync() if self.island is not None and not last else contextlib.nullcontext():
+                loss = self._loss(chunk) / len(micro)
+                loss.backward()
+            total += loss.item()
+        if self.run.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.run.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
 
     def train(self, batches: Iterator[torch.Tensor], max_steps: int, global_step: int,
               should_stop: Callable[[int], bool] = lambda steps: False,
@@ -65,19 +102,13 @@ class InnerTrainer:
             step_start = time.monotonic()
             with self.step_lock:
                 lr = self.lr_at(global_step + stats.steps)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
                 batch = next(batches)
-                micro = batch.split(self.micro_batch)
-                total = 0.0
-                for chunk in micro:
-                    loss = self._loss(chunk) / len(micro)
-                    loss.backward()
-                    total += loss.item()
-                if self.run.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(self.params, self.run.grad_clip)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                if self.island is None:
+                    total = self.step(batch, lr)
+                else:
+                    self.island.before_step(self, lr)
+                    with self.island.guard():
+                        total = self.step(batch, lr)
             time.sleep(max(0.0, step_start + self.min_step_seconds - time.monotonic()))
             self.local_steps += 1
             stats.steps += 1
@@ -91,10 +122,35 @@ class InnerTrainer:
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[torch.Tensor]) -> float:
-        self.model.eval()
-        losses = [self._loss(batch).item() for batch in batches]
-        self.model.train()
+        """Mean loss on ``batches``, on this process alone (the plain module: no island collective)."""
+        self.module.eval()
+        losses = [self._loss(batch, self.module).item() for batch in batches]
+        self.module.train()
         return sum(losses) / len(losses) if losses else float("nan")
+
+    def peak_memory(self) -> int:
+        """Peak bytes so far: allocated on the GPU we train on, or this process's peak RSS on a CPU."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+    def adam_step(self) -> Optional[float]:
+        """AdamW's step count, or None before its first step."""
+        state = self.optimizer.state.get(self.params[0], {})
+        return float(state["step"]) if "step" in state else None
+
+    def adam_state(self, param: torch.nn.Parameter, step: float) -> dict:
+        """AdamW's state of ``param``, created (zeros at ``step``) on a rank that has not stepped yet."""
+        state = self.optimizer.state[param]
+        if "exp_avg" not in state:
+            fused = bool(self.optimizer.param_groups[0].get("fused"))
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=param.device if fused else "cpu")
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["step"].fill_(step)
+        return state
 
     def first_moments(self) -> List[torch.Tensor]:
         """AdamW's exp_avg per parameter (zeros before its first step), for momentum alignment."""

@@ -44,6 +44,7 @@ class LocalModel:
     def start(self, proxy: torch.Tensor) -> None:
         """Between inner phases: the next round trains from ``proxy`` (the eager outer step) instead of theta_e."""
         self.layout.scatter(proxy, self.trainer.params)
+        self.trainer.touch()
         self.base = proxy
 
     def thaw(self) -> None:
@@ -69,6 +70,7 @@ class LocalModel:
         """theta <- target; with overlap, live <- live + (target - base): the steps since are kept."""
         if self.frozen is None:
             self.layout.scatter(target, self.trainer.params)
+            self.trainer.touch()
             return
         self._add_live(target - self.base)
         self.frozen.copy_(target)
@@ -85,7 +87,9 @@ class LocalModel:
         """live += shift, between two inner steps."""
         with self.trainer.step_lock:
             self.layout.add_into(shift, self.trainer.params)
+            self.trainer.touch()
 
     def load_first_moments(self, moments) -> None:
         with self.trainer.step_lock:
             self.trainer.load_first_moments(moments)
+            self.trainer.touch()

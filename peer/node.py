@@ -34,6 +34,7 @@ from peer.data import load_corpus, load_tokenizer
 from peer.faults import FaultPlan
 from peer.flat import FlatLayout
 from peer.inner import InnerTrainer
+from peer.island import Island, island_batches
 from peer.local import LocalModel
 from peer.model import build_model, count_parameters
 from peer.outer import GlobalState
@@ -47,8 +48,11 @@ RECORD_TTL = 60.0  # seconds a peer record lives without a refresh (at least)
 
 
 class Peer:
-    def __init__(self, run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, net: DHTConfig):
+    def __init__(self, run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, net: DHTConfig,
+                 island: Optional[Island] = None):
         self.run_flags, self.node, self.sync_config, self.net = run_flags, node, sync, net
+        self.island = island  # rank 0 of a torchrun island: the other ranks train alongside, in lockstep
+        self.island_tokens = self.island_hashes = None
         self.reporter = Reporter(node.metrics_file, node.quiet)
         self.fault_plan = FaultPlan.parse(node.fault_plan)
         # the name of the run's DHT and matchmaking keys: secret for a private run (--run-token)
@@ -83,14 +87,11 @@ class Peer:
                                                      name=f"{self.node.run_id}-{self.peer_id[-8:]}",
                                                      config=dict(self.manifest.settings, peer_id=self.peer_id))
 
-        tokenizer = load_tokenizer(run.tokenizer)
-        self.corpus = load_corpus(run.dataset, tokenizer, run.seq_len, run.eval_fraction, run.dataset_config,
-                                  text_field=run.text_field)
+        if self.island is not None:  # the other ranks build the same trainer from the same settings
+            self.island.share(dict(settings=dict(self.manifest.settings), shard_key=self.peer_id))
+        self.corpus, self.trainer = build_trainer(run, self.node, self.island)
+        device, model = self.trainer.device, self.trainer.module
         self.eval_batches = self.corpus.eval_batches(run.eval_batches, run.batch_size)
-        device = torch.device(self.node.device if self.node.device != "auto"
-                              else ("cuda" if torch.cuda.is_available() else "cpu"))
-        model = build_model(run.model, tokenizer.vocab_size, run.seq_len, run.seed)
-        self.trainer = InnerTrainer(model, run, device, self.node.micro_batch, self.node.min_step_seconds)
         self.layout = FlatLayout(self.trainer.params)
         params = self.layout.gather(self.trainer.params, self.layout.empty())
         self.state = GlobalState(params=params, momentum=self.layout.empty())
@@ -98,6 +99,8 @@ class Peer:
         if payload is not None:
             position = self._restore(payload)
         self.stream = self.corpus.stream(run.seed, self.peer_id, position)
+        if self.island is not None:
+            self.island.share(position)
 
         self.delta = self.layout.empty(shared=True)
         self.moment = self.layout.empty(shared=True) if run.align_every else None
@@ -220,7 +223,7 @@ class Peer:
         with ``--overlap`` it runs in the background during the next inner phase, and is joined (reported,
         checkpointed) at that phase's end, before the next sync starts."""
         max_rounds, run, clock = self.node.max_rounds, self.run, self.clock
-        batches = iter(lambda: self.stream.next_batch(run.batch_size), None)
+        batches = island_batches(self.stream, run.batch_size, self.island)
         inflight: Optional[InFlight] = None
         clock.sync_in_flight = lambda: inflight is not None and not inflight.done.is_set()
         while not self.stop_requested.is_set() and not (max_rounds and self.rounds + bool(inflight) >= max_rounds):
@@ -241,6 +244,9 @@ class Peer:
                 return self.stop_requested.is_set() or clock.over(steps_done)
 
             stats = self.trainer.train(batches, steps, self._global_step(), should_stop, on_step)
+            if self.island is not None:  # the island's weight: the tokens of all its ranks
+                self.island_tokens = self.island.end_round(self.trainer, stats.tokens)
+                stats.tokens = sum(self.island_tokens)
             self.reporter.end_round()
             self.pending_tokens += stats.tokens
             if stats.steps == 0 or self.stop_requested.is_set():
@@ -301,10 +307,15 @@ class Peer:
         if result.applied and self.state.epoch % run.eval_every == 0:
             eval_loss = self._evaluate_global()
         result.rebased = result.rebased or self.clock.rebased
+        if self.island is not None:  # every rank holds the same parameters: they are hashed to show it
+            self.island_hashes = self.island.check(self.trainer)
         traffic = self._round_traffic()
         self.last_bytes_sent = traffic[0]
         record = self._metrics(job.stats, result, sync_seconds, stale, eval_loss, traffic)
         record.update(overlap=self.node.overlap, sync_wall_seconds=job.finished - job.started)
+        if self.island is not None:
+            record.update(island_ranks=self.island.size, island_tokens=self.island_tokens,
+                          island_hashes=self.island_hashes)
         self.reporter.round(record)
         self._checkpoint()
 
@@ -340,12 +351,15 @@ class Peer:
             compute_seconds=stats.compute_seconds, sync_seconds=sync_seconds, stale=stale,
             rebased=result.rebased, applied=result.applied, attempts=result.attempts, aligned=result.aligned,
             lr=stats.lr, tokens_per_second=stats.tokens / max(stats.compute_seconds, 1e-9), error=result.error,
-            offences=result.offences,
+            offences=result.offences, peak_memory_bytes=self.trainer.peak_memory(), device=str(self.trainer.device),
         )
 
     # ------------------------------------------------------------------ publish, checkpoint, close
     def _pace(self) -> Optional[float]:
         return self.clock.step_seconds if self.clock is not None else None
+
+    def _ranks(self) -> int:
+        return self.island.size if self.island is not None else 1
 
     def _record_ttl(self) -> float:
         """How long our record outlives its last refresh: long enough to span one inner step and a whole
@@ -358,7 +372,8 @@ class Peer:
         self.synchronizer.announce(
             self._record_ttl(), status=status, loss=self.last_loss, next_sync_at=next_sync_at,
             round_seconds=self.last_round_seconds, bytes_per_round=self.last_bytes_sent,
-            tokens_per_second=self.run.batch_size * self.run.seq_len / self._pace() if self._pace() else 0.0,
+            tokens_per_second=self.run.batch_size * self.run.seq_len * self._ranks() / self._pace() if self._pace()
+            else 0.0,
         )
         if time.monotonic() - self.manifest_published_at > MANIFEST_TTL / 4:
             publish_manifest(self.dht, self.manifest)
@@ -397,9 +412,44 @@ class Peer:
             except Exception as e:  # the p2p daemon may already be gone (Ctrl+C reaches it too)
                 logger.debug(f"could not publish our departure: {e!r}")
         self.reporter.close()
+        if self.island is not None:
+            self.island.close()
         for component in (self.averager, self.dht):
             if component is not None and component.is_alive():
                 component.shutdown()
+
+
+def build_trainer(run: RunConfig, node: NodeConfig, island: Optional[Island] = None):
+    """The corpus and the inner trainer of ``run`` on this node's device (each rank of an island calls it)."""
+    tokenizer = load_tokenizer(run.tokenizer)
+    corpus = load_corpus(run.dataset, tokenizer, run.seq_len, run.eval_fraction, run.dataset_config,
+                         text_field=run.text_field)
+    if island is not None:
+        device = island.device
+    elif node.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(node.device)
+    model = build_model(run.model, tokenizer.vocab_size, run.seq_len, run.seed)
+    trainer = InnerTrainer(model, run, device, node.micro_batch, node.min_step_seconds, island=island,
+                           compile=node.compile)
+    return corpus, trainer
+
+
+def run_follower(island: Island, node: NodeConfig) -> int:
+    """Ranks 1..n-1 of an island: the run's settings from rank 0, the same trainer, then rank 0's commands."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the island stops, and tells the others
+        signal.signal(sig, signal.SIG_IGN)
+    if node.threads:
+        torch.set_num_threads(node.threads)
+    setup = island.share(None)
+    if setup is None:
+        return 0  # rank 0 stopped before training (it said why)
+    run = RunConfig.from_settings(setup["settings"])
+    corpus, trainer = build_trainer(run, node, island)
+    stream = corpus.stream(run.seed, setup["shard_key"], island.share(None))
+    island.follow(trainer, island_batches(stream, run.batch_size, island))
+    return 0
 
 
 class InFlight:

@@ -80,16 +80,40 @@ class Proc:
             os.kill(self.popen.pid, sig)
 
     def kill_group(self) -> None:
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL the process, its group, and the groups of its descendants (torchrun starts each rank
+        in a session of its own)."""
+        pids = [self.popen.pid, *descendants(self.popen.pid)]
+        groups = set()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                groups.add(os.getpgid(pid))
+        for group in groups | {self.popen.pid}:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
         self.popen.wait()
         # a SIGKILLed peer's shared tensors outlive it in /dev/shm (torch's file_system strategy; its
         # torch_shm_manager died in the same process group): a suite would leak gigabytes over a day
-        for leftover in glob.glob(f"/dev/shm/torch_{self.popen.pid}_*"):
+        for pid in pids:
+            for leftover in glob.glob(f"/dev/shm/torch_{pid}_*"):
+                with contextlib.suppress(OSError):
+                    os.remove(leftover)
+
+
+def descendants(pid: int) -> List[int]:
+    """Every live descendant of ``pid`` (from /proc: children of children, and so on)."""
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
             with contextlib.suppress(OSError):
-                os.remove(leftover)
+                children = [int(c) for c in Path(f"/proc/{parent}/task/{task}/children").read_text().split()]
+                found.extend(children)
+                frontier.extend(children)
+    return found
 
 
 def peer_command(*args: str) -> List[str]:
@@ -132,9 +156,11 @@ class Swarm:
         self.procs.append(proc)
         return proc
 
-    def peer(self, name: str, *args: str, join: bool = True, namespace: Optional[int] = None) -> PeerProc:
+    def peer(self, name: str, *args: str, join: bool = True, namespace: Optional[int] = None,
+             wrap: Callable[[List[str]], List[str]] = list) -> PeerProc:
+        """``python -m peer`` with the fast test settings; ``wrap`` rewrites its command line (e.g. torchrun)."""
         extra = ["--initial-peers", self.maddr] if join else []
-        host, wrap = self.host, list
+        host = self.host
         if namespace is not None:
             host, wrap = self.net.ip(namespace), lambda argv: self.net.wrap(namespace, argv)
         args = [*FAST_RUN, *FAST_NODE, "--host-maddrs", f"/ip4/{host}/tcp/0", *extra, *args]

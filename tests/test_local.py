@@ -11,8 +11,9 @@ from peer.local import LocalModel
 
 def make(values):
     params = [torch.nn.Parameter(torch.tensor(values[:2])), torch.nn.Parameter(torch.tensor(values[2:]))]
-    trainer = SimpleNamespace(params=params, step_lock=threading.Lock(),
+    trainer = SimpleNamespace(params=params, step_lock=threading.Lock(), changed=False,
                               first_moments=lambda: [torch.full_like(p, 7.0) for p in params])
+    trainer.touch = lambda: setattr(trainer, "changed", True)  # an island's rank 0 then re-sends its model
     return LocalModel(trainer, FlatLayout(params)), params
 
 
@@ -25,6 +26,7 @@ def test_without_overlap_the_sync_reads_and_sets_the_live_parameters():
     assert torch.equal(local.gather(torch.empty(4)), torch.tensor([1.0, 2.0, 3.0, 4.0]))
     local.set(torch.tensor([5.0, 5.0, 5.0, 5.0]))
     assert torch.equal(flat(params), torch.tensor([5.0, 5.0, 5.0, 5.0]))
+    assert local.trainer.changed, "a write from the sync must be marked, so an island's ranks receive it"
 
 
 def test_with_overlap_the_sync_sees_theta_e_and_the_outer_update_keeps_the_new_steps():

@@ -16,7 +16,8 @@ def make(theta_values, g_values):
     layout = FlatLayout(params)
     state = GlobalState(torch.tensor(g_values), torch.zeros(len(g_values)), epoch=4, tokens_total=100)
     sync = Synchronizer(averager=None, dht=None, run_id="r", manifest_hash="m", peer_id="me", state=state,
-                        trainer=SimpleNamespace(params=params, step_lock=threading.Lock()), layout=layout,
+                        trainer=SimpleNamespace(params=params, step_lock=threading.Lock(), touch=lambda: None),
+                        layout=layout,
                         run=RunConfig().resolved(),
                         sync=SyncConfig(), delta=layout.empty(), moment=None, lock=threading.Lock(),
                         client_mode=False)

@@ -1,0 +1,97 @@
+"""An island: a peer of two gloo ranks under torchrun, in a swarm with a plain single-process peer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from tests.swarm import ROOT, PeerProc, Swarm, assert_groups_agree, by_epoch, descendants, wait_until
+
+pytestmark = pytest.mark.slow
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def under_torchrun(argv: List[str]) -> List[str]:
+    """``python -m peer ...`` as ``torchrun --nproc-per-node 2 -m peer ...``."""
+    assert argv[1:3] == ["-m", "peer"]
+    return [*TORCHRUN, *argv[1:]]
+
+
+def rank_pid(launcher: PeerProc, rank: int) -> int:
+    """The pid of one rank among torchrun's workers (they carry RANK in their environment)."""
+    def find():
+        for pid in descendants(launcher.popen.pid):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ:
+                return pid
+        return None
+
+    return wait_until(find, 30, f"rank {rank} of {launcher.name}")
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    swarm = Swarm(tmp_path)
+    yield swarm
+    swarm.close()
+
+
+def test_an_island_of_two_ranks_is_one_peer_whose_ranks_agree_and_whose_weight_is_their_tokens(swarm, tmp_path):
+    checkpoints = str(tmp_path / "island")
+    island = swarm.peer("island", "--checkpoint-dir", checkpoints, wrap=under_torchrun)
+    plain = swarm.peer("plain")
+
+    def together(count: int):
+        shared = [e for e, records in by_epoch([island, plain]).items() if len(records) == 2]
+        return len(shared) >= count and shared
+
+    wait_until(lambda: together(4), 240, "the island and the plain peer to apply 4 rounds together")
+    assert assert_groups_agree([island, plain]) >= 4
+    records = island.metrics
+    for record in records:
+        # every rank holds the same parameters after every round, and trained on as many tokens
+        assert record["island_ranks"] == 2
+        assert len(set(record["island_hashes"])) == 1, f"ranks differ: {record}"
+        per_rank = record["inner_steps"] * 4 * 64
+        assert record["island_tokens"] == [per_rank, per_rank], record
+        assert record["tokens"] == sum(record["island_tokens"])
+    # the island's weight in the swarm is the tokens of both its ranks: each outer step merges them
+    table = by_epoch([island, plain])
+    checked = 0
+    for epoch, pair in table.items():
+        before = table.get(epoch - 1, {}).get("plain")
+        if len(pair) == 2 and before is not None and not pair["island"]["stale"] and not pair["plain"]["stale"]:
+            merged = pair["plain"]["tokens_total"] - before["tokens_total"]
+            assert merged == pair["island"]["tokens"] + pair["plain"]["tokens"], (epoch, pair, before)
+            checked += 1
+    assert checked >= 2, "too few epochs merged both peers without staleness"
+
+    # a rank that dies takes the island down cleanly; the swarm trains on; a restart resumes the island
+    island_id, epoch_before = records[-1]["peer_id"], records[-1]["epoch"]
+    os.kill(rank_pid(island, 1), signal.SIGKILL)
+    island.wait(60)
+    # rank 0 stops on the broken collective, or first on torchrun's SIGTERM; either way it checkpoints and
+    # leaves with a line, not a traceback (torchrun prints its own report of the dead rank)
+    assert ("another rank of this island is gone" in island.stderr
+            or "SIGTERM: leaving after the current step" in island.stderr), island.stderr[-2000:]
+    assert f'File "{ROOT / "peer"}' not in island.stderr, island.stderr[-3000:]
+    rounds_before = len(plain.metrics)
+    plain.wait_rounds(rounds_before + 2, 120)
+    resumed = swarm.peer("island2", "--checkpoint-dir", checkpoints, wrap=under_torchrun)
+    wait_until(lambda: together_again(resumed, plain), 240, "the restarted island to apply a round with the plain peer")
+    assert f"resumed from {checkpoints}" in resumed.stderr, resumed.stderr[-3000:]
+    assert {r["peer_id"] for r in resumed.metrics} == {island_id}
+    assert min(r["epoch"] for r in resumed.metrics) > epoch_before
+    assert assert_groups_agree([resumed, plain]) >= 1
+
+
+def together_again(resumed: PeerProc, plain: PeerProc) -> bool:
+    return any(len(records) == 2 for records in by_epoch([resumed, plain]).values())
