@@ -27,6 +27,7 @@ class InnerStats:
     loss: float = float("nan")  # mean training loss over the round's steps
     compute_seconds: float = 0.0
     lr: float = 0.0
+    rank_tokens: Optional[List[int]] = None  # in an island: each rank's tokens (``tokens`` is their sum)
 
 
 class InnerTrainer:

@@ -153,7 +153,7 @@ class Island:
         if command.with_state:
             self.sync_model(trainer, command)
 
-    def end_round(self, trainer, tokens: int) -> List[int]:
+    def end_round(self, tokens: int) -> List[int]:
         """Rank 0, after an inner phase: the ranks' token counts."""
         self.command(Command(TOKENS))
         return self.sum_tokens(tokens)

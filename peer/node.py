@@ -52,7 +52,7 @@ class Peer:
                  island: Optional[Island] = None):
         self.run_flags, self.node, self.sync_config, self.net = run_flags, node, sync, net
         self.island = island  # rank 0 of a torchrun island: the other ranks train alongside, in lockstep
-        self.island_tokens = self.island_hashes = None
+        self.island_hashes = None
         self.reporter = Reporter(node.metrics_file, node.quiet)
         self.fault_plan = FaultPlan.parse(node.fault_plan)
         # the name of the run's DHT and matchmaking keys: secret for a private run (--run-token)
@@ -245,8 +245,8 @@ class Peer:
 
             stats = self.trainer.train(batches, steps, self._global_step(), should_stop, on_step)
             if self.island is not None:  # the island's weight: the tokens of all its ranks
-                self.island_tokens = self.island.end_round(self.trainer, stats.tokens)
-                stats.tokens = sum(self.island_tokens)
+                stats.rank_tokens = self.island.end_round(stats.tokens)
+                stats.tokens = sum(stats.rank_tokens)
             self.reporter.end_round()
             self.pending_tokens += stats.tokens
             if stats.steps == 0 or self.stop_requested.is_set():
@@ -314,7 +314,7 @@ class Peer:
         record = self._metrics(job.stats, result, sync_seconds, stale, eval_loss, traffic)
         record.update(overlap=self.node.overlap, sync_wall_seconds=job.finished - job.started)
         if self.island is not None:
-            record.update(island_ranks=self.island.size, island_tokens=self.island_tokens,
+            record.update(island_ranks=self.island.size, island_tokens=job.stats.rank_tokens,
                           island_hashes=self.island_hashes)
         self.reporter.round(record)
         self._checkpoint()
