@@ -134,6 +134,8 @@ class Peer:
             local=self.local, byzantine=self.node.byzantine,
         )
         self.clock = RoundClock(run, self.synchronizer, lambda next_sync_at: self._publish(next_sync_at=next_sync_at))
+        if self.node.overlap:
+            self.synchronizer.planned_end = lambda: self.clock.target
         if self.synchronizer.catch_up(timeout=60.0):
             self.reporter.info(f"downloaded the swarm's state: epoch {self.state.epoch}, hash {self.state.hash()}")
         self._publish()
@@ -259,6 +261,7 @@ class Peer:
                 self._finish(inflight)
                 inflight = None
         if inflight is not None:  # stopping (or the last round): the sync in flight completes first
+            self.clock.planned.set()  # no next round to plan
             self._finish(inflight)
         return 0
 
@@ -270,17 +273,22 @@ class Peer:
         budget = self.synchronizer.round_budget()
 
         def sync() -> SyncResult:
+            if self.node.overlap:  # the next round's plan first: this sync shares it with the group
+                self.clock.planned.wait(timeout=10.0)
             result = self.synchronizer.sync(job.tokens, budget, missed_rounds=job.rounds - 1,
                                             step_seconds=step_seconds)
             if self.node.overlap and not result.applied:
                 # the round in progress was planned before this sync caught up (or found no group): line its
                 # end up with the swarm's, or we reach the next sync out of step with everyone again
                 self.clock.realign()
+            elif self.node.overlap and result.round_end is not None:
+                self.clock.retarget(result.round_end)  # the group ends the round in progress together
             return result
 
         if self.node.overlap:
             self.local.freeze(with_moments=self.moment is not None)
             self.local.start(self.synchronizer.eager_target())
+            self.clock.planned.clear()
         job.start(sync, background=self.node.overlap)
         return job
 
@@ -290,7 +298,8 @@ class Peer:
         result = job.wait()
         self.local.thaw()
         sync_seconds = time.monotonic() - (wait_start if self.node.overlap else job.started)
-        self.clock.finish(job.stats.steps, job.stats.compute_seconds, result.next_round_seconds)
+        self.clock.finish(job.stats.steps, job.stats.compute_seconds, result.next_round_seconds,
+                          anchor=result.round_end if self.node.overlap else None)
         stale = job.rounds - 1
         if result.applied:
             self.pending_tokens -= job.tokens

@@ -13,6 +13,7 @@ matchmaking; a peer alone, or before any pace is known, does exactly H steps.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable, Optional
 
@@ -31,10 +32,14 @@ class RoundClock:
         self.step_seconds: Optional[float] = None  # EMA of this peer's seconds per inner step
         self.agreed_end: Optional[float] = None  # DHT time at which the group agreed the next round ends
         self.deadline: Optional[float] = None  # monotonic time the current inner phase ends, if any
+        self.target: Optional[float] = None  # the same in DHT time (what we tell our group with overlap)
         self.aligned = False
         self.rebased = False
         self._last_watch = 0.0
         self.sync_in_flight: Callable[[], bool] = lambda: False  # overlap: a sync runs in the background
+        # overlap: set once ``begin`` has planned the round that trains during the sync just launched, whose
+        # planned end that sync tells its group
+        self.planned = threading.Event()
 
     def begin(self) -> int:
         """Plan the next inner phase; returns the step budget. Catches up first if the swarm moved on."""
@@ -48,6 +53,7 @@ class RoundClock:
             target = self._target_from_records(now)
         self.publish(target if target is not None else self._own_plan(now))
         self._set_deadline(target, now)
+        self.planned.set()
         if target is None:
             return self.run.inner_steps
         return 10**9 if self.run.round_seconds else 2 * self.run.inner_steps
@@ -76,14 +82,21 @@ class RoundClock:
         self.aligned = False
         self._last_watch = 0.0
 
-    def finish(self, steps: int, compute_seconds: float, next_round_seconds: Optional[float]) -> None:
-        """After the round's sync: update our pace and keep the group's agreed end for the next round."""
+    def retarget(self, end: float) -> None:
+        """Overlap, from the sync thread once the group agreed: the round in progress ends at ``end`` (DHT time)."""
+        self.aligned = True
+        self._set_deadline(end, get_dht_time())
+
+    def finish(self, steps: int, compute_seconds: float, next_round_seconds: Optional[float],
+               anchor: Optional[float] = None) -> None:
+        """After the round's sync: update our pace and keep the group's agreed end for the next round, counted
+        from ``anchor`` (overlap: the group's agreed end of the round that just ended) or else from now."""
         if steps:
             # an EMA weighted by the round's share of H, so that one short round does not skew the pace
             seconds, weight = compute_seconds / steps, 0.5 * min(1.0, steps / self.run.inner_steps)
             self.step_seconds = seconds if self.step_seconds is None else \
                 (1 - weight) * self.step_seconds + weight * seconds
-        self.agreed_end = get_dht_time() + next_round_seconds if next_round_seconds else None
+        self.agreed_end = (anchor or get_dht_time()) + next_round_seconds if next_round_seconds else None
 
     def _own_plan(self, now: float) -> Optional[float]:
         pace = self.run.round_seconds or (self.step_seconds * self.run.inner_steps if self.step_seconds else None)
@@ -98,4 +111,5 @@ class RoundClock:
         return self._own_plan(now) if self.run.round_seconds else None
 
     def _set_deadline(self, target: Optional[float], now: float) -> None:
+        self.target = target
         self.deadline = None if target is None else time.monotonic() + (target - now)

@@ -61,6 +61,7 @@ class SyncResult:
     rebased: bool = False
     error: Optional[str] = None
     next_round_seconds: Optional[float] = None  # the group's agreed length of the next inner phase
+    round_end: Optional[float] = None  # overlap: the group's agreed end (DHT time) of the round in progress
     offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
 
 
@@ -88,6 +89,8 @@ class Synchronizer:
         self.contributions = Contributions(self.feedback.codec, run.max_staleness)
         self.recovered_tokens = 0  # tokens behind deltas carried over from a fork we left, not yet re-sent
         self.lookup_failed = False  # the last look at the swarm's records timed out: what we know may be stale
+        # overlap: when the round in progress is planned to end (DHT time), shared with the group (``_round_end``)
+        self.planned_end: Callable[[], Optional[float]] = lambda: None
 
     # ---- the swarm's view ----
     def my_record(self, **fields) -> PeerRecord:
@@ -322,6 +325,16 @@ class Synchronizer:
                  if isinstance(info.get("step_seconds"), (int, float)) and info["step_seconds"] > 0]
         return self.run.inner_steps * statistics.median(paces) if paces else None
 
+    @staticmethod
+    def _round_end(gathered: dict) -> Optional[float]:
+        """With overlap, the round after this sync's is already running on each member, planned to end when its
+        own clock said. Every member takes the median of those plans, from the same gathered data: the group ends
+        that round together, and its drift (each member's round had started from its own clock) is undone every
+        round instead of adding up until a member misses its group."""
+        plans = [float(info["planned_end"]) for info in gathered.values()
+                 if isinstance(info.get("planned_end"), (int, float))]
+        return statistics.median(plans) if plans else None
+
     def _apply_alone(self, tokens: int, result: SyncResult) -> None:
         """No group: a quorum-1 peer's own delta is its outer step; with a larger quorum, wait."""
         if self.run.quorum > 1:
@@ -353,7 +366,8 @@ class Synchronizer:
         if self.fault_hook is not None:
             self.fault_hook("matchmaking", self.state.epoch)
         gather = dict(epoch=mine.epoch, hash=mine.state_hash, tokens=tokens, align=align,
-                      step_seconds=self.step_seconds, voters=voters(self.records.values(), mine), missed=missed_rounds)
+                      step_seconds=self.step_seconds, voters=voters(self.records.values(), mine), missed=missed_rounds,
+                      planned_end=self.planned_end())
         control = self.averager.step(
             gather=gather, weight=float(weight), scheduled_time=get_dht_time() + grace,
             timeout=grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False, wait=False,
@@ -391,4 +405,5 @@ class Synchronizer:
         result.group = tuple(sorted(gathered))
         result.group_tokens = sum(int(info["tokens"]) for info in gathered.values())
         result.next_round_seconds = self._next_round_seconds(gathered)
+        result.round_end = self._round_end(gathered)
         self._republish()  # at once: a groupmate whose attempt failed late looks for this state (``_settle``)
