@@ -51,10 +51,22 @@ def applied_after(peer: PeerProc, count: int) -> bool:
     return sum(r["applied"] for r in peer.metrics) >= count
 
 
+def shared_epochs(survivors: List[PeerProc]) -> List[int]:
+    """Epochs every survivor applied."""
+    return [epoch for epoch, records in by_epoch(survivors).items() if len(records) == len(survivors)]
+
+
+def stop_after(survivors: List[PeerProc], everyone: List[PeerProc], min_rounds: int) -> None:
+    """Let the survivors reach ``min_rounds`` shared epochs (the faults may be over sooner), then SIGTERM all."""
+    wait_until(lambda: len(shared_epochs(survivors)) >= min_rounds, 120, f"{min_rounds} epochs shared by the survivors")
+    for peer in everyone:
+        peer.signal(signal.SIGTERM)
+
+
 def assert_invariants(survivors: List[PeerProc], everyone: List[PeerProc], min_rounds: int) -> None:
     assert assert_groups_agree(everyone) > 0
     table = by_epoch(survivors)
-    shared = [epoch for epoch, records in table.items() if len(records) == len(survivors)]
+    shared = shared_epochs(survivors)
     assert len(shared) >= min_rounds, f"survivors shared only epochs {sorted(shared)}"
     for epoch in shared:
         hashes = {name: r["state_hash"] for name, r in table[epoch].items()}
@@ -96,8 +108,7 @@ def test_freeze_slow_or_partition_at_every_phase(request, tmp_path, kind, second
     wait_until(lambda: any(r["applied"] and r["group_size"] >= 3 for r in victim.metrics[rounds:]), 120,
                f"the {kind} victim to rejoin the groups")
     everyone = survivors + [victim, joiner]
-    for peer in everyone:
-        peer.signal(signal.SIGTERM)
+    stop_after(survivors, everyone, min_rounds=10)
     for peer in everyone:
         assert peer.wait(60) == 0, peer.stderr[-3000:]
     assert_invariants(survivors, everyone, min_rounds=10)
@@ -134,8 +145,7 @@ def test_kill_at_every_phase_and_resume(swarm, tmp_path):
                "the restarted victim to rejoin the groups")
     ids = {r["peer_id"] for peer in incarnations + [final] for r in peer.metrics}
     assert len(ids) == 1, "a restart from the checkpoint dir keeps the peer id"
-    for peer in everyone:
-        peer.signal(signal.SIGTERM)
+    stop_after(survivors, everyone, min_rounds=10)
     for peer in everyone:
         if peer not in incarnations:
             assert peer.wait(60) == 0, peer.stderr[-3000:]

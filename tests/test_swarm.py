@@ -113,7 +113,7 @@ def test_quantized_rounds_shrink_the_wire_and_keep_states_identical(swarm):
     """Three runs of 3 peers side by side, fp32, int8 and int4: bytes measured at the transport, per peer and
     round."""
     sent = {}
-    runs = {codec: [swarm.peer(f"{codec}-{i}", "--compression", codec, "--align-every", "0", "--max-rounds", "6",
+    runs = {codec: [swarm.peer(f"{codec}-{i}", "--compression", codec, "--align-every", "0", "--max-rounds", "8",
                                "--run-id", f"codec-{codec}") for i in range(3)]
             for codec in ("none", "int8", "int4")}  # three runs side by side on one bootstrap
     for codec, peers in runs.items():
