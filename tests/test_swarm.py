@@ -110,21 +110,22 @@ def test_stop_checkpoints_and_exits_zero(swarm, tmp_path, stop):
 
 
 def test_quantized_rounds_shrink_the_wire_and_keep_states_identical(swarm):
-    """Three runs of 3 peers side by side, fp32, int8 and int4: bytes measured at the transport, per peer and
-    round."""
+    """Three runs of 2 peers side by side, fp32, int8 and int4: bytes measured at the transport, per peer and
+    round. (2 peers a run: with 3, nine peers on two cores made rounds of ~1 s compute and ~2 s sync, and a
+    peer that missed one group kept missing them.)"""
     sent = {}
     runs = {codec: [swarm.peer(f"{codec}-{i}", "--compression", codec, "--align-every", "0", "--max-rounds", "8",
-                               "--run-id", f"codec-{codec}") for i in range(3)]
+                               "--run-id", f"codec-{codec}") for i in range(2)]
             for codec in ("none", "int8", "int4")}  # three runs side by side on one bootstrap
     for codec, peers in runs.items():
         for peer in peers:
             assert peer.wait(240) == 0, peer.stderr[-3000:]
-        assert assert_groups_agree(peers) >= 3 * 3
+        assert assert_groups_agree(peers) >= 3 * 2
         for peer in peers:
             losses = [r["loss"] for r in peer.metrics]
             assert losses[-1] < losses[0] - 0.5, f"{peer.name}: loss did not fall: {losses}"
-        full = [r["bytes_sent"] for peer in peers for r in peer.metrics if r["group_size"] == 3]
-        assert len(full) >= 9
+        full = [r["bytes_sent"] for peer in peers for r in peer.metrics if r["group_size"] == 2]
+        assert len(full) >= 3 * 2, {peer.name: [(r["epoch"], r["group_size"]) for r in peer.metrics] for peer in peers}
         sent[codec] = statistics.median(full)  # the median skips a round that also served a state download
     assert sent["int8"] <= 0.27 * sent["none"], sent
     assert sent["int4"] <= 0.14 * sent["none"], sent
