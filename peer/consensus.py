@@ -57,14 +57,18 @@ def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord) -> List[Pe
             if r.peer_id != mine.peer_id and r.epoch == mine.epoch and r.state_hash == mine.state_hash]
 
 
-def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None, behind: bool = True) -> int:
-    """The electorate of the majority rule, us included: responsive peers at our exact state, and (``behind``)
-    responsive peers at an earlier epoch. The latter are about to catch up with the best state, or have already
-    and their new record has not reached us yet: a peer that has just caught up itself sees the others' older
-    records, and counting only exact matches it once took 2 of 5 for a majority (a fork, seen under load)."""
+def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None,
+           producers: Iterable[str] = ()) -> int:
+    """The electorate of the majority rule, us included: responsive peers at our exact state, and the
+    responsive peers whose deltas produced our state (``producers``: the group of its last outer step, from
+    ``GlobalState.merged``), whatever epoch their record shows. A peer that has just caught up sees its
+    producers' older records for a moment: counting exact matches only, it once took 2 of 5 for a majority (a
+    fork, seen under load). Peers cut off by a partition are neither, so each half of a split swarm still
+    trains on (the fork choice and carried-over work reunite them after the heal)."""
     now = get_dht_time() if now is None else now
-    count = 1 + sum(responsive(r, now) for r in peers_with_state(records, mine))
-    return count + len(peers_behind(records, mine, now)) if behind else count
+    producers = set(producers)
+    return 1 + sum(responsive(r, now) for r in live(records, mine.manifest_hash) if r.peer_id != mine.peer_id and (
+        (r.epoch == mine.epoch and r.state_hash == mine.state_hash) or r.peer_id in producers))
 
 
 def minority(gathered: Dict[str, dict]) -> Optional[str]:

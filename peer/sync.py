@@ -264,10 +264,8 @@ class Synchronizer:
                 if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0)):
                     result.rebased = True
                     result.error = "missed the group; caught up, contributing at the next sync"
-                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), mine, behind=False) == 1:
-                    # the others at our state went silent: we are alone (peers behind us cannot join us now, and
-                    # a peer stuck behind must not stall us for good)
-                    self._apply_alone(tokens, result)
+                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), mine) == 1:
+                    self._apply_alone(tokens, result)  # the others at our state went silent: we are alone
                 else:  # stepping alone while others at our state are alive would fork the run (a minority of 1)
                     result.error = f"no group formed with the {expected - 1} peer(s) at our state; retrying next round"
                 break
@@ -275,6 +273,10 @@ class Synchronizer:
             self._apply(outcome, result)
             break
         return result
+
+    def producers(self) -> List[str]:
+        """The peers whose deltas our state's last outer step merged."""
+        return [peer for peer, epoch in self.state.merged.items() if epoch == self.state.epoch - 1]
 
     def eager_target(self) -> torch.Tensor:
         """With overlap, where the next round starts: the outer step we would take with our own pseudo-gradient
@@ -366,7 +368,8 @@ class Synchronizer:
         if self.fault_hook is not None:
             self.fault_hook("matchmaking", self.state.epoch)
         gather = dict(epoch=mine.epoch, hash=mine.state_hash, tokens=tokens, align=align,
-                      step_seconds=self.step_seconds, voters=voters(self.records.values(), mine), missed=missed_rounds,
+                      step_seconds=self.step_seconds, missed=missed_rounds,
+                      voters=voters(self.records.values(), mine, producers=self.producers()),
                       planned_end=self.planned_end())
         control = self.averager.step(
             gather=gather, weight=float(weight), scheduled_time=get_dht_time() + grace,

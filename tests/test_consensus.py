@@ -63,17 +63,19 @@ def test_a_peer_silent_long_past_its_planned_sync_is_not_waited_for():
     assert len(peers_behind(busy, mine, now=150.0)) == 1
 
 
-def test_voters_are_the_responsive_peers_at_our_state_or_behind_it():
+def test_voters_are_the_responsive_peers_at_our_state_and_those_that_produced_it():
     mine = record("me", 3, "aa", 10)
     others = [record("a", 3, "aa", 10, next_sync_at=100.0), record("frozen", 3, "aa", 10, next_sync_at=50.0),
               record("b", 3, "ab", 10, next_sync_at=100.0)]
     assert voters(others, mine, now=55.0) == 3  # me, a, and frozen until it is SILENCE_SLACK late
     assert voters(others, mine, now=50.0 + SILENCE_SLACK + 1) == 2
-    # a peer that just caught up sees the others' older records: they count, or 2 of 5 would look a majority
+    # a peer that just caught up sees the older records of the group that produced its state: they count, or
+    # 2 of 5 would look a majority
     lagging = [record(p, 2, "old", 8, next_sync_at=100.0) for p in ("c", "d", "e")]
-    assert voters([record("f", 3, "aa", 10, next_sync_at=100.0), *lagging], mine, now=55.0) == 5
-    assert voters([*lagging, record("ahead", 4, "new", 12, next_sync_at=100.0)], mine, now=55.0) == 4
-    assert voters(lagging, mine, now=55.0, behind=False) == 1  # alone at our state: a lone step may follow
+    assert voters([record("f", 3, "aa", 10, next_sync_at=100.0), *lagging], mine, now=55.0,
+                  producers=["c", "d", "e", "f"]) == 5
+    # the other half of a partition (not among our state's producers) does not: each half trains on
+    assert voters(lagging, mine, now=55.0, producers=["me", "f"]) == 1
 
 
 def test_of_two_groups_split_from_one_state_only_the_majority_applies():
