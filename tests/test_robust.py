@@ -60,9 +60,17 @@ def test_order_of_arrival_does_not_matter_and_two_senders_are_never_clipped():
     forward, _ = robust_mean(parts, clip_factor=2.0)
     backward, _ = robust_mean(dict(reversed(list(parts.items()))), clip_factor=2.0)
     assert torch.equal(forward, backward)
-    pair = {0: (torch.zeros(10), 1.0), 1: (torch.full((10,), 1000.0), 1.0)}
+    pair = {0: (torch.full((10,), 2.0), 1.0), 1: (torch.full((10,), 50.0), 1.0)}
     result, offences = robust_mean(pair, clip_factor=2.0)
-    assert offences == [] and torch.equal(result, torch.full((10,), 500.0))
+    assert offences == [] and torch.equal(result, torch.full((10,), 26.0))
+
+
+def test_two_senders_1000_times_apart_fail_the_round_instead_of_averaging():
+    parts = honest(2)
+    parts[1] = (1000 * parts[1][0], parts[1][1])  # a peer sending 1000 x its pseudo-gradient, alone with one other
+    with pytest.raises(ValueError, match="no telling which is wrong"):
+        robust_mean(parts, clip_factor=2.0)
+    assert robust_mean(parts, clip_factor=0)[0].abs().max() > 100  # with robustness off, it would poison the mean
 
 
 def test_nothing_usable_is_an_error():
