@@ -108,10 +108,10 @@ def test_freeze_slow_or_partition_at_every_phase(request, tmp_path, kind, second
     wait_until(lambda: any(r["applied"] and r["group_size"] >= 3 for r in victim.metrics[rounds:]), 120,
                f"the {kind} victim to rejoin the groups")
     everyone = survivors + [victim, joiner]
-    stop_after(survivors, everyone, min_rounds=10)
+    stop_after(survivors, everyone, min_rounds=8)
     for peer in everyone:
         assert peer.wait(60) == 0, peer.stderr[-3000:]
-    assert_invariants(survivors, everyone, min_rounds=10)
+    assert_invariants(survivors, everyone, min_rounds=8)
 
 
 def test_kill_at_every_phase_and_resume(swarm, tmp_path):
@@ -145,11 +145,11 @@ def test_kill_at_every_phase_and_resume(swarm, tmp_path):
                "the restarted victim to rejoin the groups")
     ids = {r["peer_id"] for peer in incarnations + [final] for r in peer.metrics}
     assert len(ids) == 1, "a restart from the checkpoint dir keeps the peer id"
-    stop_after(survivors, everyone, min_rounds=10)
+    stop_after(survivors, everyone, min_rounds=8)
     for peer in everyone:
         if peer not in incarnations:
             assert peer.wait(60) == 0, peer.stderr[-3000:]
-    assert_invariants(survivors, everyone, min_rounds=10)
+    assert_invariants(survivors, everyone, min_rounds=8)
 
 
 def test_split_two_two_heals_to_one_state(tmp_path):
