@@ -36,7 +36,6 @@ import torch.distributed as dist
 from dht.errors import UserError, first_line
 
 STEP, TOKENS, CHECK, STOP = range(4)
-_NAMES = {STEP: "step", TOKENS: "tokens", CHECK: "check", STOP: "stop"}
 
 
 class IslandLost(UserError):
