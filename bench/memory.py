@@ -71,14 +71,14 @@ def plain(model: str, steps: int, device: str, threads: int) -> dict:
     import torch
 
     from peer.config import NodeConfig, RunConfig
+    from peer.data import batch_iterator
     from peer.node import build_trainer
 
     torch.set_num_threads(threads)
     run = RunConfig.from_settings(RunConfig(model=model).to_settings())
     corpus, trainer = build_trainer(run, NodeConfig(device=device))
     stream = corpus.stream(run.seed, "plain", 0)
-    batches = iter(lambda: stream.next_batch(run.batch_size), None)
-    stats = trainer.train(batches, steps, 0)
+    stats = trainer.train(batch_iterator(stream, run.batch_size), steps, 0)
     return dict(peak=trainer.peak_memory(), device=str(trainer.device), loss=stats.loss,
                 parameters=sum(p.numel() for p in trainer.params))
 

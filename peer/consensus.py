@@ -51,10 +51,13 @@ def choose_state(records: Iterable[PeerRecord], mine: PeerRecord) -> Optional[Pe
     return None if best.state_hash == mine.state_hash else best
 
 
+def holds_state(record: PeerRecord, mine: PeerRecord) -> bool:
+    return record.epoch == mine.epoch and record.state_hash == mine.state_hash
+
+
 def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord) -> List[PeerRecord]:
     """Other live peers at exactly our (epoch, state hash): the ones we can average with."""
-    return [r for r in live(records, mine.manifest_hash)
-            if r.peer_id != mine.peer_id and r.epoch == mine.epoch and r.state_hash == mine.state_hash]
+    return [r for r in live(records, mine.manifest_hash) if r.peer_id != mine.peer_id and holds_state(r, mine)]
 
 
 def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None,
@@ -67,8 +70,8 @@ def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float]
     trains on (the fork choice and carried-over work reunite them after the heal)."""
     now = get_dht_time() if now is None else now
     producers = set(producers)
-    return 1 + sum(responsive(r, now) for r in live(records, mine.manifest_hash) if r.peer_id != mine.peer_id and (
-        (r.epoch == mine.epoch and r.state_hash == mine.state_hash) or r.peer_id in producers))
+    return 1 + sum(responsive(r, now) for r in live(records, mine.manifest_hash)
+                   if r.peer_id != mine.peer_id and (holds_state(r, mine) or r.peer_id in producers))
 
 
 def minority(gathered: Dict[str, dict]) -> Optional[str]:

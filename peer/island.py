@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dht.errors import UserError, first_line
+from peer.data import batch_iterator
 
 STEP, TOKENS, CHECK, STOP = range(4)
 
@@ -211,8 +212,6 @@ class Island:
 def island_batches(stream, batch_size: int, island: Optional[Island]) -> Iterator[torch.Tensor]:
     """This rank's batches: the island reads ``size`` batches per step from its shard, rank r takes the r-th."""
     if island is None:
-        while True:
-            yield stream.next_batch(batch_size)
-    while True:
-        rows = stream.next_batch(batch_size * island.size)
-        yield rows[island.rank * batch_size : (island.rank + 1) * batch_size]
+        return batch_iterator(stream, batch_size)
+    return (rows[island.rank * batch_size : (island.rank + 1) * batch_size]
+            for rows in batch_iterator(stream, batch_size * island.size))

@@ -52,7 +52,6 @@ class Peer:
                  island: Optional[Island] = None):
         self.run_flags, self.node, self.sync_config, self.net = run_flags, node, sync, net
         self.island = island  # rank 0 of a torchrun island: the other ranks train alongside, in lockstep
-        self.island_hashes = None
         self.reporter = Reporter(node.metrics_file, node.quiet)
         self.fault_plan = FaultPlan.parse(node.fault_plan)
         # the name of the run's DHT and matchmaking keys: secret for a private run (--run-token)
@@ -316,15 +315,15 @@ class Peer:
         if result.applied and self.state.epoch % run.eval_every == 0:
             eval_loss = self._evaluate_global()
         result.rebased = result.rebased or self.clock.rebased
-        if self.island is not None:  # every rank holds the same parameters: they are hashed to show it
-            self.island_hashes = self.island.check(self.trainer)
+        # every rank of an island holds the same parameters: they are hashed to show it
+        island_hashes = self.island.check(self.trainer) if self.island is not None else None
         traffic = self._round_traffic()
         self.last_bytes_sent = traffic[0]
         record = self._metrics(job.stats, result, sync_seconds, stale, eval_loss, traffic)
         record.update(overlap=self.node.overlap, sync_wall_seconds=job.finished - job.started)
         if self.island is not None:
             record.update(island_ranks=self.island.size, island_tokens=job.stats.rank_tokens,
-                          island_hashes=self.island_hashes)
+                          island_hashes=island_hashes)
         self.reporter.round(record)
         self._checkpoint()
 
