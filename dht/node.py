@@ -87,6 +87,13 @@ class SwarmDHT(hivemind.DHT):
     def run(self) -> None:
         init_child_process()
         _spawn_daemon_detached()
+        # go-libp2p dials from its listening port (SO_REUSEPORT) unless told not to. Two peers that dial each
+        # other at the same moment then open one TCP connection from both ends (a simultaneous open: the same
+        # four addresses), both run the handshake as its initiator, and both dials fail ("noise: message is
+        # too short"); their backoffs expire together, so they fail again, and never connect. Over a 100 ms
+        # link that is every pair that syncs at once (tests/test_netns.py). Dialing from a fresh port costs
+        # nothing here: hivemind does no hole punching, which is what reusing the port is for.
+        os.environ["LIBP2P_TCP_REUSEPORT"] = "false"  # read by the p2p daemon this process starts
         super().run()
 
 

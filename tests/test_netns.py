@@ -227,6 +227,32 @@ def test_a_namespace_behind_nat_dials_out_but_cannot_be_dialled(procs):
         assert send(network, 0, (network.public_ip(1), home[1])) is None  # nor a port on the router
 
 
+def test_two_peers_dialling_each_other_at_once_over_a_far_link_connect(procs):
+    """Peers that sync at the same moment dial each other at the same moment. Over a 50 ms link both dials
+    used to fail, and fail again after their backoffs (go-libp2p's reused listening port: ``dht/node.py``)."""
+    with TestNetwork(2, delay_ms=50) as network:
+        nodes = []
+        for i in range(2):
+            argv = network.wrap(i, [sys.executable, "-m", "tests.dial", network.ip(i)])
+            nodes.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            procs.append(nodes[-1])
+        maddrs = []
+        for node in nodes:
+            ready, _, _ = select.select([node.stdout], [], [], 60)
+            assert ready, "a DHT node did not start within 60 s"
+            maddrs.append(node.stdout.readline().strip())
+        for node, other in zip(nodes, reversed(maddrs)):
+            node.stdin.write(other + "\n")
+        for node in nodes:
+            node.stdin.flush()
+        results = []
+        for node in nodes:
+            ready, _, _ = select.select([node.stdout], [], [], 60)
+            assert ready, "a dial did not finish within 60 s"
+            results.append(node.stdout.readline().strip())
+    assert results == ["connected", "connected"], results
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason=(
     "issue 5, open: over 100 ms links the all-reduce is not atomic. Seen: the reducer applied a group's average "
