@@ -35,7 +35,7 @@ class PeerRecord:
     state_hash: str  # hash(G, m, e) at that epoch
     tokens_total: int  # tokens merged into this state's lineage (fork choice: most tokens wins)
     manifest_hash: str
-    status: str = "training"  # training | syncing | left
+    status: str = "training"  # training | syncing | leaving | left
     loss: Optional[float] = None
     tokens_per_second: float = 0.0
     next_sync_at: Optional[float] = None  # DHT time this peer expects to start matchmaking

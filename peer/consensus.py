@@ -22,6 +22,7 @@ from dht.records import PeerRecord
 
 SILENCE_SLACK = 10.0  # seconds past its planned sync a peer may stay silent before others stop waiting for it
 MAX_MISSED = 3  # unmerged rounds in a row after which a peer applies without a majority (or alone, at quorum 1)
+LEAVING = "leaving"  # a record status: the peer is about to leave and only serves its state meanwhile
 
 
 def responsive(record: PeerRecord, now: float) -> bool:
@@ -36,7 +37,13 @@ def responsive(record: PeerRecord, now: float) -> bool:
 
 
 def live(records: Iterable[PeerRecord], manifest_hash: str) -> List[PeerRecord]:
+    """Peers of this run that have not left: their state counts in the fork choice, and they serve it."""
     return [r for r in records if r.manifest_hash == manifest_hash and r.status != "left"]
+
+
+def active(records: Iterable[PeerRecord], manifest_hash: str) -> List[PeerRecord]:
+    """Live peers that still train and average: not one that is ``LEAVING`` (it only serves its state)."""
+    return [r for r in live(records, manifest_hash) if r.status != LEAVING]
 
 
 def fork_key(record: PeerRecord):
@@ -57,7 +64,7 @@ def holds_state(record: PeerRecord, mine: PeerRecord) -> bool:
 
 def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord) -> List[PeerRecord]:
     """Other live peers at exactly our (epoch, state hash): the ones we can average with."""
-    return [r for r in live(records, mine.manifest_hash) if r.peer_id != mine.peer_id and holds_state(r, mine)]
+    return [r for r in active(records, mine.manifest_hash) if r.peer_id != mine.peer_id and holds_state(r, mine)]
 
 
 def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None,
@@ -70,7 +77,7 @@ def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float]
     trains on (the fork choice and carried-over work reunite them after the heal)."""
     now = get_dht_time() if now is None else now
     producers = set(producers)
-    return 1 + sum(responsive(r, now) for r in live(records, mine.manifest_hash)
+    return 1 + sum(responsive(r, now) for r in active(records, mine.manifest_hash)
                    if r.peer_id != mine.peer_id and (holds_state(r, mine) or r.peer_id in producers))
 
 
@@ -101,7 +108,7 @@ def peers_behind(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[
     """Other live, responsive peers at an earlier epoch than ours: they will catch up with the swarm's best
     state (a dead or frozen one will not)."""
     now = get_dht_time() if now is None else now
-    return [r for r in live(records, mine.manifest_hash)
+    return [r for r in active(records, mine.manifest_hash)
             if r.peer_id != mine.peer_id and r.epoch < mine.epoch and responsive(r, now)]
 
 

@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -30,6 +30,7 @@ from dht.validation import run_validators
 from peer.averager import SwarmAverager
 from peer.checkpoint import load_checkpoint, save_checkpoint
 from peer.config import NodeConfig, RunConfig, SyncConfig
+from peer.consensus import LEAVING
 from peer.data import load_corpus, load_tokenizer
 from peer.faults import FaultPlan
 from peer.flat import FlatLayout
@@ -40,7 +41,7 @@ from peer.model import build_model, count_parameters
 from peer.outer import GlobalState
 from peer.report import Reporter
 from peer.schedule import RoundClock
-from peer.sync import Synchronizer, SyncResult
+from peer.sync import SETTLE_SECONDS, Synchronizer, SyncResult
 from peer.trackers import Trackers
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class Peer:
         self.dht = self.averager = self.synchronizer = self.clock = None
         self.rounds = self.pending_tokens = self.pending_rounds = 0
         self.last_loss: Optional[float] = None
+        self.last_group: Tuple[str, ...] = ()  # the group of our last applied round, if any
         self.last_round_seconds: Optional[float] = None
         self.manifest_published_at = self.last_published = 0.0
         self.traffic_seen = (0, 0)  # transport bytes counted up to the end of the last round
@@ -262,6 +264,12 @@ class Peer:
         if inflight is not None:  # stopping (or the last round): the sync in flight completes first
             self.clock.planned.set()  # no next round to plan
             self._finish(inflight)
+        if self.last_group:
+            self._publish(status=LEAVING)  # nobody counts us in a group now; we still serve our state
+            budget = self.run.grace_seconds + self.synchronizer.deadlines.allreduce() + SETTLE_SECONDS
+            stranded = self.synchronizer.hand_over(self.last_group, timeout=budget)
+            if stranded:
+                logger.info(f"leaving while {len(stranded)} member(s) of our last group do not hold its state yet")
         return 0
 
     def _launch(self, stats) -> "InFlight":
@@ -300,6 +308,7 @@ class Peer:
         self.clock.finish(job.stats.steps, job.stats.compute_seconds, result.next_round_seconds,
                           anchor=result.round_end if self.node.overlap else None)
         stale = job.rounds - 1
+        self.last_group = result.group if result.applied else ()
         if result.applied:
             self.pending_tokens -= job.tokens
             self.pending_rounds -= job.rounds

@@ -36,7 +36,7 @@ from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.allreduce import MaybeApplied, MinorityGroup, NoMajority
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
-from peer.consensus import MAX_MISSED, choose_state, peers_behind, peers_with_state, responsive, voters
+from peer.consensus import LEAVING, MAX_MISSED, choose_state, peers_behind, peers_with_state, responsive, voters
 from peer.contributions import Contributions
 from peer.deadlines import Deadlines
 from peer.flat import FlatLayout
@@ -306,6 +306,22 @@ class Synchronizer:
                 return True
             if time.monotonic() >= settle_until:
                 return False
+            time.sleep(SETTLE_POLL)
+
+    def hand_over(self, group: Tuple[str, ...], timeout: float) -> List[str]:
+        """Before leaving (our record says ``LEAVING``): stay, serving our state, until every other member of
+        our last group holds it, has moved past it or is leaving too, or ``timeout`` passes. A reducer that
+        exits right after its outer step can cut a member's averaged parts short; that member then looks for
+        the group's state (``_settle``) and downloads it from us, and leaving at once would strand it.
+        Returns the members still without it."""
+        mine, deadline = self.my_record(), time.monotonic() + timeout
+        while True:
+            records = self.refresh()
+            missing = [peer for peer in group if peer != self.peer_id and peer in records
+                       and records[peer].status not in ("left", LEAVING) and responsive(records[peer], get_dht_time())
+                       and records[peer].epoch <= mine.epoch and records[peer].state_hash != mine.state_hash]
+            if not missing or time.monotonic() >= deadline:
+                return missing
             time.sleep(SETTLE_POLL)
 
     def round_budget(self) -> float:
