@@ -9,6 +9,7 @@ the CPU in fp32, in chunks so memory stays at one chunk beyond the state itself.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Iterable
 
@@ -29,8 +30,19 @@ class GlobalState:
     tokens_total: int = 0  # tokens merged into this lineage; fork choice prefers more
     merged: Dict[str, int] = field(default_factory=dict)  # peer id -> last epoch its delta was merged
 
+    _hashed: tuple = field(default=(), init=False, repr=False, compare=False)  # (key, digest) of the last hash()
+
     def hash(self) -> str:
-        return state_hash(self.params, self.momentum, self.epoch)
+        """hash(G, m, e), recomputed only when G, m or e changed since the last call: every write to G or m is a
+        torch op, which bumps the tensor's version counter, or a new tensor (a pass over 2x the model saved per
+        call; a round asks several times)."""
+        key = (self.epoch, self.params._version, self.momentum._version)
+        if self._hashed and self._hashed[0] == key and self._hashed[1]() is self.params \
+                and self._hashed[2]() is self.momentum:
+            return self._hashed[3]
+        digest = state_hash(self.params, self.momentum, self.epoch)
+        self._hashed = (key, weakref.ref(self.params), weakref.ref(self.momentum), digest)
+        return digest
 
     def metadata(self) -> dict:
         return dict(epoch=self.epoch, tokens_total=self.tokens_total, merged=dict(self.merged), hash=self.hash())

@@ -46,6 +46,32 @@ def test_state_hash_covers_params_momentum_and_epoch():
     assert state_hash(params, momentum * 1.0000001, 5) != base
 
 
+def test_a_cached_hash_follows_every_way_the_state_changes(monkeypatch):
+    params, momentum, delta = random_state()
+    state = GlobalState(params, momentum, epoch=5)
+    computed = []
+    monkeypatch.setattr(outer, "state_hash", lambda *args: computed.append(1) or state_hash(*args))
+    first = state.hash()
+    assert state.hash() == first and len(computed) == 1  # unchanged: not hashed again
+
+    def expect_new(why):
+        fresh = state_hash(state.params, state.momentum, state.epoch)
+        assert state.hash() == fresh, why
+
+    nesterov_step(state.params, state.momentum, delta, lr=0.7, mu=0.9)  # in place, through chunk views
+    expect_new("an outer step")
+    state.params[3:4].copy_(torch.tensor([1.5]))  # a write through a view
+    expect_new("a write through a view")
+    state.momentum.copy_(torch.zeros_like(state.momentum))  # as a restored checkpoint does
+    expect_new("a copy into m")
+    state.params = state.params.clone()  # a new tensor, equal values: the hash must still be right
+    state.params.view(torch.int32)[0] ^= 1
+    expect_new("a new tensor")
+    state.epoch += 1
+    expect_new("a new epoch")
+    assert len(computed) == 6  # once per change, never more
+
+
 def test_state_hash_rejects_non_contiguous_or_wrong_dtype():
     params, momentum, _ = random_state()
     with pytest.raises(ValueError):
