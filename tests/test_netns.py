@@ -257,7 +257,7 @@ def test_two_peers_dialling_each_other_at_once_over_a_far_link_connect(procs):
 def test_three_peers_over_slow_far_links_one_behind_nat_agree(tmp_path):
     """3 peers, each in its own namespace, 50 ms one way between two of them, 100 Mbit/s links; the third sits
     behind a NAT router (nobody can dial it) and runs --client-mode. Every round's group holds all three, with
-    one state hash. Rounds last 8 s (as on a WAN, where rounds are minutes): a member that lags a sync behind
+    one state hash. Rounds last 6 s (as on a WAN, where rounds are minutes): a member that lags a sync behind
     the others still meets them at the next one."""
     from tests.swarm import Swarm, assert_groups_agree, by_epoch
 
@@ -266,7 +266,7 @@ def test_three_peers_over_slow_far_links_one_behind_nat_agree(tmp_path):
         try:
             # replies and parts cross 100 ms round trips here, not loopback's microseconds: the tests' loopback
             # timeouts (1 s requests, 3 s parts, 10 s all-reduce) become what a WAN deployment would set
-            wan = ("--max-rounds", "5", "--round-seconds", "8", "--request-timeout", "3", "--grace-seconds", "3",
+            wan = ("--max-rounds", "5", "--round-seconds", "6", "--request-timeout", "3", "--grace-seconds", "3",
                    "--part-timeout", "10", "--allreduce-timeout", "30")
             public = [swarm.peer(f"p{i}", *wan, namespace=i) for i in range(2)]
             home = swarm.peer("home", *wan, "--client-mode", namespace=2)

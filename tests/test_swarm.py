@@ -114,7 +114,7 @@ def test_quantized_rounds_shrink_the_wire_and_keep_states_identical(swarm):
     round. (2 peers a run: with 3, nine peers on two cores made rounds of ~1 s compute and ~2 s sync, and a
     peer that missed one group kept missing them.)"""
     sent = {}
-    runs = {codec: [swarm.peer(f"{codec}-{i}", "--compression", codec, "--align-every", "0", "--max-rounds", "8",
+    runs = {codec: [swarm.peer(f"{codec}-{i}", "--compression", codec, "--align-every", "0", "--max-rounds", "6",
                                "--run-id", f"codec-{codec}") for i in range(2)]
             for codec in ("none", "int8", "int4")}  # three runs side by side on one bootstrap
     for codec, peers in runs.items():
