@@ -30,7 +30,8 @@ class GlobalState:
     tokens_total: int = 0  # tokens merged into this lineage; fork choice prefers more
     merged: Dict[str, int] = field(default_factory=dict)  # peer id -> last epoch its delta was merged
 
-    _hashed: tuple = field(default=(), init=False, repr=False, compare=False)  # (key, digest) of the last hash()
+    # the last hash(): (epoch and version counters, weak references to G and m, digest)
+    _hashed: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def hash(self) -> str:
         """hash(G, m, e), recomputed only when G, m or e changed since the last call: every write to G or m is a

@@ -36,7 +36,7 @@ from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.allreduce import MaybeApplied, MinorityGroup, NoMajority
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
-from peer.consensus import LEAVING, MAX_MISSED, choose_state, peers_behind, peers_with_state, responsive, voters
+from peer.consensus import MAX_MISSED, active, choose_state, peers_behind, peers_with_state, responsive, voters
 from peer.contributions import Contributions
 from peer.deadlines import Deadlines
 from peer.flat import FlatLayout
@@ -316,10 +316,10 @@ class Synchronizer:
         Returns the members still without it."""
         mine, deadline = self.my_record(), time.monotonic() + timeout
         while True:
-            records = self.refresh()
-            missing = [peer for peer in group if peer != self.peer_id and peer in records
-                       and records[peer].status not in ("left", LEAVING) and responsive(records[peer], get_dht_time())
-                       and records[peer].epoch <= mine.epoch and records[peer].state_hash != mine.state_hash]
+            now = get_dht_time()
+            missing = [r.peer_id for r in active(self.refresh().values(), self.manifest_hash)
+                       if r.peer_id in group and r.peer_id != self.peer_id and responsive(r, now)
+                       and r.epoch <= mine.epoch and r.state_hash != mine.state_hash]
             if not missing or time.monotonic() >= deadline:
                 return missing
             time.sleep(SETTLE_POLL)
