@@ -41,7 +41,7 @@ from peer.model import build_model, count_parameters
 from peer.outer import GlobalState
 from peer.report import Reporter
 from peer.schedule import RoundClock
-from peer.sync import SETTLE_SECONDS, Synchronizer, SyncResult
+from peer.sync import Synchronizer, SyncResult
 from peer.trackers import Trackers
 
 logger = logging.getLogger(__name__)
@@ -266,8 +266,7 @@ class Peer:
             self._finish(inflight)
         if self.last_group:
             self._publish(status=LEAVING)  # nobody counts us in a group now; we still serve our state
-            budget = self.run.grace_seconds + self.synchronizer.deadlines.allreduce() + SETTLE_SECONDS
-            stranded = self.synchronizer.hand_over(self.last_group, timeout=budget)
+            stranded = self.synchronizer.hand_over(self.last_group)
             if stranded:
                 logger.info(f"leaving while {len(stranded)} member(s) of our last group do not hold its state yet")
         return 0

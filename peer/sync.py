@@ -308,12 +308,13 @@ class Synchronizer:
                 return False
             time.sleep(SETTLE_POLL)
 
-    def hand_over(self, group: Tuple[str, ...], timeout: float) -> List[str]:
+    def hand_over(self, group: Tuple[str, ...]) -> List[str]:
         """Before leaving (our record says ``LEAVING``): stay, serving our state, until every other member of
-        our last group holds it, has moved past it or is leaving too, or ``timeout`` passes. A reducer that
-        exits right after its outer step can cut a member's averaged parts short; that member then looks for
-        the group's state (``_settle``) and downloads it from us, and leaving at once would strand it.
-        Returns the members still without it."""
+        our last group holds it, has moved past it or is leaving too, or for as long as a member may look for it.
+        A reducer that exits right after its outer step can cut a member's averaged parts short; that member then
+        looks for the group's state (``_settle``: until its all-reduce deadline plus SETTLE_SECONDS) and
+        downloads it from us, and leaving at once would strand it. Returns the members still without it."""
+        timeout = self.run.grace_seconds + self.deadlines.allreduce() + SETTLE_SECONDS
         mine, deadline = self.my_record(), time.monotonic() + timeout
         while True:
             now = get_dht_time()
