@@ -112,6 +112,18 @@ def peers_behind(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[
             if r.peer_id != mine.peer_id and r.epoch < mine.epoch and responsive(r, now)]
 
 
+def awaiting_state(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[str]:
+    """The peers a leaving peer (``mine``) should wait for: if no other active peer that can serve our state holds
+    it, the active, responsive peers whose state loses the fork choice to ours. Without us they would never get it: a
+    groupmate whose averaged parts our exit cut short, or a peer one round behind a group that all leaves at once.
+    If another holder stays, it serves them, and nobody needs to wait."""
+    now = get_dht_time() if now is None else now
+    others = [r for r in active(records, mine.manifest_hash) if r.peer_id != mine.peer_id and responsive(r, now)]
+    if any(holds_state(r, mine) and not r.client_mode for r in others):
+        return []
+    return [r.peer_id for r in others if fork_key(mine) < fork_key(r)]
+
+
 def round_target(records: Iterable[PeerRecord], mine: PeerRecord, own_plan: Optional[float],
                  now: float) -> Optional[float]:
     """When this round should end: the median of the planned sync times of every live peer holding our

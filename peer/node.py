@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -62,7 +62,6 @@ class Peer:
         self.dht = self.averager = self.synchronizer = self.clock = None
         self.rounds = self.pending_tokens = self.pending_rounds = 0
         self.last_loss: Optional[float] = None
-        self.last_group: Tuple[str, ...] = ()  # the group of our last applied round, if any
         self.last_round_seconds: Optional[float] = None
         self.manifest_published_at = self.last_published = 0.0
         self.traffic_seen = (0, 0)  # transport bytes counted up to the end of the last round
@@ -264,11 +263,10 @@ class Peer:
         if inflight is not None:  # stopping (or the last round): the sync in flight completes first
             self.clock.planned.set()  # no next round to plan
             self._finish(inflight)
-        if self.last_group:
-            self._publish(status=LEAVING)  # nobody counts us in a group now; we still serve our state
-            stranded = self.synchronizer.hand_over(self.last_group)
-            if stranded:
-                logger.info(f"leaving while {len(stranded)} member(s) of our last group do not hold its state yet")
+        self._publish(status=LEAVING)  # nobody counts us in a group now; we still serve our state
+        stranded = self.synchronizer.hand_over()
+        if stranded:
+            logger.info(f"leaving while {len(stranded)} peer(s) that lack our state could get it from nobody else")
         return 0
 
     def _launch(self, stats) -> "InFlight":
@@ -307,7 +305,6 @@ class Peer:
         self.clock.finish(job.stats.steps, job.stats.compute_seconds, result.next_round_seconds,
                           anchor=result.round_end if self.node.overlap else None)
         stale = job.rounds - 1
-        self.last_group = result.group if result.applied else ()
         if result.applied:
             self.pending_tokens -= job.tokens
             self.pending_rounds -= job.rounds

@@ -36,7 +36,7 @@ from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.allreduce import MaybeApplied, MinorityGroup, NoMajority
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
-from peer.consensus import MAX_MISSED, active, choose_state, peers_behind, peers_with_state, responsive, voters
+from peer.consensus import MAX_MISSED, awaiting_state, choose_state, peers_behind, peers_with_state, responsive, voters
 from peer.contributions import Contributions
 from peer.deadlines import Deadlines
 from peer.flat import FlatLayout
@@ -308,19 +308,14 @@ class Synchronizer:
                 return False
             time.sleep(SETTLE_POLL)
 
-    def hand_over(self, group: Tuple[str, ...]) -> List[str]:
-        """Before leaving (our record says ``LEAVING``): stay, serving our state, until every other member of
-        our last group holds it, has moved past it or is leaving too, or for as long as a member may look for it.
-        A reducer that exits right after its outer step can cut a member's averaged parts short; that member then
-        looks for the group's state (``_settle``: until its all-reduce deadline plus SETTLE_SECONDS) and
-        downloads it from us, and leaving at once would strand it. Returns the members still without it."""
+    def hand_over(self) -> List[str]:
+        """Before leaving (our record says ``LEAVING``): stay, serving our state, while peers that lack it could get
+        it from nobody else (``consensus.awaiting_state``), for at most as long as a member may look for its
+        group's state (``_settle``: grace + all-reduce deadline + SETTLE_SECONDS). Returns those still without it."""
         timeout = self.run.grace_seconds + self.deadlines.allreduce() + SETTLE_SECONDS
         mine, deadline = self.my_record(), time.monotonic() + timeout
         while True:
-            now = get_dht_time()
-            missing = [r.peer_id for r in active(self.refresh().values(), self.manifest_hash)
-                       if r.peer_id in group and r.peer_id != self.peer_id and responsive(r, now)
-                       and r.epoch <= mine.epoch and r.state_hash != mine.state_hash]
+            missing = awaiting_state(self.refresh().values(), mine)
             if not missing or time.monotonic() >= deadline:
                 return missing
             time.sleep(SETTLE_POLL)

@@ -6,6 +6,7 @@ from dht.records import PeerRecord
 from peer.consensus import (
     MAX_MISSED,
     SILENCE_SLACK,
+    awaiting_state,
     choose_state,
     majority_elsewhere,
     minority,
@@ -91,3 +92,15 @@ def test_of_two_groups_split_from_one_state_only_the_majority_applies():
     mixed = group(2, 3)
     mixed["p0"]["voters"] = 5  # members counted differently: the largest count rules, for every member alike
     assert minority(mixed) is not None
+
+
+def test_a_leaving_peer_waits_only_for_peers_that_could_get_its_state_from_nobody_else():
+    mine = record("me", 5, "aa", 50)
+    behind, ahead = record("b", 4, "old", 40, next_sync_at=100.0), record("c", 6, "new", 60, next_sync_at=100.0)
+    rival = record("r", 5, "ab", 60, next_sync_at=100.0)  # a fork with more tokens: it wins, and stays on its own
+    assert awaiting_state([behind, ahead, rival], mine, now=95.0) == ["b"]  # c is past us: it needs nothing from us
+    holder = record("h", 5, "aa", 50, next_sync_at=100.0)
+    assert awaiting_state([behind, holder], mine, now=95.0) == []  # h stays and serves b
+    assert awaiting_state([behind, dataclasses.replace(holder, status="leaving")], mine, now=95.0) == ["b"]
+    assert awaiting_state([behind, dataclasses.replace(holder, client_mode=True)], mine, now=95.0) == ["b"]
+    assert awaiting_state([behind], mine, now=100.0 + SILENCE_SLACK + 1) == []  # dead or frozen: not waited for
