@@ -65,7 +65,9 @@ class Peer:
         self.last_round_seconds: Optional[float] = None
         self.manifest_published_at = self.last_published = 0.0
         self.traffic_seen = (0, 0)  # transport bytes counted up to the end of the last round
-        self.last_bytes_sent = 0  # what the last round's all-reduce sent: in our record, for `peer status`
+        # what the last round that averaged sent: in our record, for `peer status` (a round that found no group
+        # sends nothing, and says nothing about what a round costs on the wire)
+        self.last_bytes_sent = 0
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -323,7 +325,7 @@ class Peer:
         # every rank of an island holds the same parameters: they are hashed to show it
         island_hashes = self.island.check(self.trainer) if self.island is not None else None
         traffic = self._round_traffic()
-        self.last_bytes_sent = traffic[0]
+        self.last_bytes_sent = traffic[0] or self.last_bytes_sent
         record = self._metrics(job.stats, result, sync_seconds, stale, eval_loss, traffic)
         record.update(overlap=self.node.overlap, sync_wall_seconds=job.finished - job.started)
         if self.island is not None:
