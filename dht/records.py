@@ -6,6 +6,9 @@ Key schema (all under the run id):
                                         expiring unless refreshed
 A record carries the peer's epoch and state hash (for catch-up and fork choice), the tokens merged
 into its state, and when it plans to sync next (so joiners line their rounds up with the swarm).
+A live peer refreshes its record every ``heartbeat`` seconds from a thread of its own, whatever its
+training does, so that a record whose refreshes stopped tells the others within seconds that its peer
+died, froze or was cut off (``peer.consensus.responsive``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Dict, Optional
 
@@ -22,6 +26,7 @@ from hivemind.utils import get_dht_time
 from dht.validation import record_subkey, subkey_peer_id
 
 logger = logging.getLogger(__name__)
+HEARTBEAT_SECONDS = 2.0  # how often a live peer refreshes its record
 
 
 def peers_key(run_id: str) -> str:
@@ -43,6 +48,7 @@ class PeerRecord:
     busy_until: Optional[float] = None  # DHT time its current sync may last until (set while syncing)
     client_mode: bool = False
     bytes_per_round: int = 0
+    heartbeat: float = 0.0  # seconds between the refreshes its peer promises while alive (0: none promised)
     updated_at: float = 0.0
     expires_at: float = 0.0  # DHT time the record expires unless refreshed (set by fetch_records)
 
@@ -72,14 +78,41 @@ def publish_record(dht: hivemind.DHT, run_id: str, record: PeerRecord, expiratio
 
 
 class RecordPublisher:
-    """Publishes one peer's successive records with strictly increasing expiration times."""
+    """Publishes one peer's successive records with strictly increasing expiration times, and refreshes
+    the last one every ``heartbeat`` seconds from a daemon thread until ``stop``."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str):
-        self.dht, self.run_id, self.expiration = dht, run_id, 0.0
+    def __init__(self, dht: hivemind.DHT, run_id: str, heartbeat: float = HEARTBEAT_SECONDS):
+        self.dht, self.run_id, self.heartbeat, self.expiration = dht, run_id, heartbeat, 0.0
+        self.last: Optional[tuple] = None  # (record, ttl) last published
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread: Optional[threading.Thread] = None
 
     def publish(self, record: PeerRecord, ttl: float) -> bool:
+        with self.lock:
+            self.last = (dataclasses.replace(record, heartbeat=self.heartbeat), ttl)
+            published = self._store()
+            if self.thread is None and self.heartbeat > 0:
+                self.thread = threading.Thread(target=self._beat, name="record-heartbeat", daemon=True)
+                self.thread.start()
+        return published
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _store(self) -> bool:
+        record, ttl = self.last
         self.expiration = max(get_dht_time() + ttl, self.expiration + 1e-3)
         return publish_record(self.dht, self.run_id, record, self.expiration, wait=False)
+
+    def _beat(self) -> None:
+        while not self.stopped.wait(self.heartbeat):
+            try:
+                with self.lock:
+                    self._store()
+            except Exception as e:  # the DHT is shutting down under us: our peer is leaving
+                logger.debug(f"record heartbeat stopped: {e!r}")
+                return
 
 
 def fetch_records(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = None) -> Optional[Dict[str, PeerRecord]]:

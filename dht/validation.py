@@ -94,6 +94,7 @@ class PeerRecordModel(pydantic.BaseModel):
     busy_until: Optional[Number]
     client_mode: pydantic.StrictBool
     bytes_per_round: pydantic.conint(strict=True, ge=0)
+    heartbeat: Number
     updated_at: Number
     expires_at: Number
 

@@ -1,6 +1,7 @@
 """How a peer reads the swarm without a server: pure functions over the peers' DHT records.
 
-- responsiveness: a peer that passed its planned sync long ago without a word is not waited for;
+- responsiveness: a peer whose record stopped its heartbeat, or that passed its planned sync long ago
+  without a word, is not waited for;
 - fork choice: the state with the most tokens merged wins, then the lowest hash (DESIGN.md step 7);
   every peer that reads the same records picks the same winner;
 - the expected group: live peers that hold our exact state, so the matchmaking leader can close the
@@ -21,15 +22,19 @@ from hivemind.utils import get_dht_time
 from dht.records import PeerRecord
 
 SILENCE_SLACK = 10.0  # seconds past its planned sync a peer may stay silent before others stop waiting for it
+HEARTBEAT_MISSES = 3  # heartbeats a record may miss (a slow DHT store, say) before its peer counts as gone
+CLOCK_SLACK = 2.0  # seconds of clock difference between two peers' DHT times that we tolerate
 MAX_MISSED = 3  # unmerged rounds in a row after which a peer applies without a majority (or alone, at quorum 1)
 LEAVING = "leaving"  # a record status: the peer is about to leave and only serves its state meanwhile
 
 
 def responsive(record: PeerRecord, now: float) -> bool:
-    """False for a peer that passed its planned sync (or the deadline of the sync it is in) by more than
-    one of its rounds (at least SILENCE_SLACK seconds) without publishing since: dead, frozen or cut off.
-    Its record lives on in the DHT until it expires, but nobody should wait for it, count it in a group,
-    or download from it."""
+    """False for a peer that is dead, frozen or cut off: its record missed HEARTBEAT_MISSES heartbeats (seconds
+    after it stopped), or it passed its planned sync (or the deadline of the sync it is in) by more than one of
+    its rounds (at least SILENCE_SLACK seconds) without publishing since. Its record lives on in the DHT until
+    it expires, but nobody should wait for it, count it in a group, or download from it."""
+    if record.heartbeat > 0 and now > record.updated_at + HEARTBEAT_MISSES * record.heartbeat + CLOCK_SLACK:
+        return False
     if not record.next_sync_at:
         return True
     quiet_until = max(record.next_sync_at, record.busy_until or 0.0)  # a peer in a long sync says so
@@ -62,9 +67,11 @@ def holds_state(record: PeerRecord, mine: PeerRecord) -> bool:
     return record.epoch == mine.epoch and record.state_hash == mine.state_hash
 
 
-def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord) -> List[PeerRecord]:
-    """Other live peers at exactly our (epoch, state hash): the ones we can average with."""
-    return [r for r in active(records, mine.manifest_hash) if r.peer_id != mine.peer_id and holds_state(r, mine)]
+def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[PeerRecord]:
+    """Other active, responsive peers at exactly our (epoch, state hash): the ones we can average with."""
+    now = get_dht_time() if now is None else now
+    return [r for r in active(records, mine.manifest_hash)
+            if r.peer_id != mine.peer_id and holds_state(r, mine) and responsive(r, now)]
 
 
 def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None,
@@ -129,7 +136,7 @@ def round_target(records: Iterable[PeerRecord], mine: PeerRecord, own_plan: Opti
     """When this round should end: the median of the planned sync times of every live peer holding our
     state, our own plan included. Peers that read the same records end their rounds together, the
     fast ones doing a few more steps and the slow ones a few fewer, so nobody waits at matchmaking."""
-    times = [r.next_sync_at for r in peers_with_state(records, mine) if r.next_sync_at and r.next_sync_at > now]
+    times = [r.next_sync_at for r in peers_with_state(records, mine, now) if r.next_sync_at and r.next_sync_at > now]
     if own_plan is not None:
         times.append(own_plan)
     return statistics.median(times) if times else None

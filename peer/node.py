@@ -63,7 +63,7 @@ class Peer:
         self.rounds = self.pending_tokens = self.pending_rounds = 0
         self.last_loss: Optional[float] = None
         self.last_round_seconds: Optional[float] = None
-        self.manifest_published_at = self.last_published = 0.0
+        self.manifest_published_at = 0.0
         self.traffic_seen = (0, 0)  # transport bytes counted up to the end of the last round
         # what the last round that averaged sent: in our record, for `peer status` (a round that found no group
         # sends nothing, and says nothing about what a round costs on the wire)
@@ -240,7 +240,6 @@ class Peer:
                 elapsed = time.monotonic() - round_start
                 self.reporter.step(step, loss, step * run.batch_size * run.seq_len / max(elapsed, 1e-9))
                 clock.watch()
-                self._heartbeat()
                 if self.fault_plan and step == max(1, min(steps, run.inner_steps) // 2):
                     self.fault_plan.fire("inner", epoch_at_start)
 
@@ -383,7 +382,6 @@ class Peer:
         return max(RECORD_TTL, 4 * step, self.run.grace_seconds + self.sync_config.allreduce_timeout + 10)
 
     def _publish(self, status: str = "training", next_sync_at: Optional[float] = None) -> None:
-        self.last_published = time.monotonic()
         self.synchronizer.announce(
             self._record_ttl(), status=status, loss=self.last_loss, next_sync_at=next_sync_at,
             round_seconds=self.last_round_seconds, bytes_per_round=self.last_bytes_sent,
@@ -393,12 +391,6 @@ class Peer:
         if time.monotonic() - self.manifest_published_at > MANIFEST_TTL / 4:
             publish_manifest(self.dht, self.manifest)
             self.manifest_published_at = time.monotonic()
-
-    def _heartbeat(self) -> None:
-        """Refresh our record during long inner phases, so it never expires while we are alive."""
-        if time.monotonic() - self.last_published > self._record_ttl() / 3:
-            self.synchronizer.announce(self._record_ttl(), **self.synchronizer.fields())
-            self.last_published = time.monotonic()
 
     def _checkpoint(self) -> None:
         if not self.node.checkpoint_dir:
@@ -422,6 +414,7 @@ class Peer:
         """Checkpoint, tell the swarm we left, and stop our processes; safe to call on any path."""
         if self.synchronizer is not None:
             self._checkpoint()
+            self.synchronizer.publisher.stop()
             try:
                 self._publish(status="left")
             except Exception as e:  # the p2p daemon may already be gone (Ctrl+C reaches it too)

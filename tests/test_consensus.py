@@ -4,6 +4,8 @@ import dataclasses
 
 from dht.records import PeerRecord
 from peer.consensus import (
+    CLOCK_SLACK,
+    HEARTBEAT_MISSES,
     MAX_MISSED,
     SILENCE_SLACK,
     awaiting_state,
@@ -12,6 +14,7 @@ from peer.consensus import (
     minority,
     peers_behind,
     peers_with_state,
+    responsive,
     round_target,
     voters,
 )
@@ -62,6 +65,18 @@ def test_a_peer_silent_long_past_its_planned_sync_is_not_waited_for():
     busy = [record("b", 2, "bb", 5, next_sync_at=100.0)]
     busy[0] = dataclasses.replace(busy[0], busy_until=200.0)  # in a long sync: alive
     assert len(peers_behind(busy, mine, now=150.0)) == 1
+
+
+def test_a_peer_whose_heartbeat_stopped_is_gone_within_seconds():
+    mine = record("me", 3, "aa", 10)
+    # planned to sync far ahead: only the heartbeat can tell that it died
+    beating = dataclasses.replace(record("a", 3, "aa", 10, next_sync_at=500.0), heartbeat=2.0, updated_at=100.0)
+    assert responsive(beating, now=105.0) and [r.peer_id for r in peers_with_state([beating], mine, now=105.0)] == ["a"]
+    gone = 100.0 + HEARTBEAT_MISSES * 2.0 + CLOCK_SLACK + 0.1
+    assert not responsive(beating, now=gone) and peers_with_state([beating], mine, now=gone) == []
+    assert voters([beating], mine, now=gone) == 1
+    legacy = record("b", 3, "aa", 10, next_sync_at=500.0)  # promises no heartbeat: judged by its plan alone
+    assert responsive(legacy, now=gone + 100.0)
 
 
 def test_voters_are_the_responsive_peers_at_our_state_and_those_that_produced_it():

@@ -58,6 +58,22 @@ def test_records_replace_older_ones_and_are_read_by_others(two_nodes):
     assert list(wait_until(newest, 10, "the newest record to reach the other node")) == [me]
 
 
+def test_a_published_record_keeps_its_heartbeat_until_stopped(two_nodes):
+    first, second = two_nodes
+    me = signing_peer_id()
+    publisher = RecordPublisher(first, "run-h", heartbeat=0.2)
+    publisher.publish(PeerRecord(me, 1, "h1", 10, "m"), ttl=60)
+    seen = wait_until(lambda: (fetch_records(second, "run-h") or {}).get(me), 10, "the record to reach the other node")
+    assert seen.heartbeat == 0.2
+    # refreshed with no further publish: its peer is alive though it says nothing new
+    later = wait_until(lambda: (r := (fetch_records(second, "run-h") or {}).get(me)) and
+                       r.updated_at > seen.updated_at + 0.3 and r, 10, "a heartbeat")
+    assert (later.epoch, later.state_hash) == (1, "h1")
+    publisher.stop()
+    publisher.thread.join(timeout=5)
+    assert not publisher.thread.is_alive()
+
+
 def test_port_in_use_is_a_user_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
