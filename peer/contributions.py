@@ -3,8 +3,10 @@
 When two groups fork the state (a partition, a split matchmaking), the fork choice picks one lineage
 and the peers of the other rebase onto it (DESIGN.md step 7). Their deltas were merged only in the
 lineage they leave, so each peer carries its own unmerged deltas, and the tokens behind them, into its
-next contribution. Deltas are kept as the wire codec encoded them (what the peer sent): two bytes
-per parameter with fp16, about half a byte with int4; at most ``keep`` of them (--max-staleness).
+next contribution: added to the pseudo-gradient it sends, not to its local model, which rebases onto
+the winner as DESIGN.md step 6 says (theta <- G_new - its current delta). Deltas are kept as the wire
+codec encoded them (what the peer sent): two bytes per parameter with fp16, about half a byte with
+int4; at most ``keep`` of them (--max-staleness).
 """
 
 from __future__ import annotations
@@ -29,15 +31,19 @@ class Contributions:
                   for start in range(0, delta.numel(), CHUNK_VALUES)]
         self.items.append((epoch, chunks, tokens))
 
-    def carry_into(self, shift: torch.Tensor, merged_epoch: int) -> int:
-        """Subtract from ``shift`` our deltas merged after ``merged_epoch`` (the last epoch at which the
-        lineage we move to merged one of ours); returns the tokens behind them."""
+    def unmerged(self, merged_epoch: int) -> bool:
+        """Do we hold deltas merged after ``merged_epoch`` (the last epoch at which the lineage we move to
+        merged one of ours)?"""
+        return any(epoch > merged_epoch for epoch, _, _ in self.items)
+
+    def carry_into(self, total: torch.Tensor, merged_epoch: int) -> int:
+        """Add to ``total`` our deltas merged after ``merged_epoch``; returns the tokens behind them."""
         tokens = 0
         for epoch, chunks, count in self.items:
             if epoch > merged_epoch:
                 for index, chunk in enumerate(chunks):
-                    piece = shift[index * CHUNK_VALUES: (index + 1) * CHUNK_VALUES]
-                    piece.sub_(self.codec.decode(chunk, piece.numel()))
+                    piece = total[index * CHUNK_VALUES: (index + 1) * CHUNK_VALUES]
+                    piece.add_(self.codec.decode(chunk, piece.numel()))
                 tokens += count
         return tokens
 

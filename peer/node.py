@@ -135,6 +135,9 @@ class Peer:
                                                                    need_peer_id=True)),
             local=self.local, byzantine=self.node.byzantine,
         )
+        if payload is not None:  # deltas carried from a fork we left, not sent yet
+            self.synchronizer.carried = payload.get("carried")
+            self.synchronizer.recovered_tokens = int(payload.get("recovered_tokens", 0))
         self.clock = RoundClock(run, self.synchronizer, lambda next_sync_at: self._publish(next_sync_at=next_sync_at))
         if self.node.overlap:
             self.synchronizer.planned_end = lambda: self.clock.target
@@ -405,7 +408,8 @@ class Peer:
                 optimizer=self.trainer.optimizer.state_dict(), local_steps=self.trainer.local_steps,
                 data_position=self.stream.position, pending_tokens=self.pending_tokens,
                 pending_rounds=self.pending_rounds, rounds=self.rounds, last_loss=self.last_loss,
-                residual=self.feedback.residual,
+                residual=self.feedback.residual, carried=self.synchronizer.carried,
+                recovered_tokens=self.synchronizer.recovered_tokens,
             )
             strike = (lambda: self.fault_plan.fire("checkpoint", self.state.epoch)) if self.fault_plan else None
             save_checkpoint(self.node.checkpoint_dir, payload, before_rename=strike)

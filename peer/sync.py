@@ -88,6 +88,7 @@ class Synchronizer:
         self.merged_ours = False
         self.contributions = Contributions(self.feedback.codec, run.max_staleness)
         self.recovered_tokens = 0  # tokens behind deltas carried over from a fork we left, not yet re-sent
+        self.carried: Optional[torch.Tensor] = None  # those deltas, summed: sent with our next contribution
         self.lookup_failed = False  # the last look at the swarm's records timed out: what we know may be stale
         # overlap: when the round in progress is planned to end (DHT time), shared with the group (``_round_end``)
         self.planned_end: Callable[[], Optional[float]] = lambda: None
@@ -157,8 +158,10 @@ class Synchronizer:
     def adopt(self, metadata: dict, tensors: List[torch.Tensor], attempted_epoch: Optional[int] = None) -> bool:
         """Verify a downloaded (G, m, e) against its hash and rebase onto it.
 
-        theta <- G_new - (G - theta) - (own deltas that the new lineage has not merged),
-        or theta <- G_new if the new lineage merged the delta we attempted at ``attempted_epoch``.
+        theta <- G_new - (G - theta), or theta <- G_new if the new lineage merged the delta we attempted at
+        ``attempted_epoch``. Our own deltas that only the lineage we leave merged go into ``carried``: our next
+        contribution sends them. (Shifting theta by them instead once started a round several rounds' work
+        away from any trained point: its loss jumped from 2.65 to 4.78.)
         """
         try:
             params, momentum = (t.to(torch.float32).reshape(-1).contiguous() for t in tensors)
@@ -174,13 +177,15 @@ class Synchronizer:
         with self.lock:
             if attempted_epoch is not None and mine_merged == attempted_epoch:
                 self.merged_ours = True
-                own_delta = self.local.gather(self.layout.empty())
-                self.feedback.commit(torch.sub(self.state.params, own_delta, out=own_delta))
+                self.feedback.commit(self._own_delta())  # what we sent, carried deltas included: merged
+                self.carried = None
                 self.local.set(params)
             else:
-                shift = params - self.state.params  # one temporary copy; freed when we return
-                self.recovered_tokens += self.contributions.carry_into(shift, mine_merged)
-                self.local.shift(shift)
+                if self.contributions.unmerged(mine_merged):
+                    if self.carried is None:
+                        self.carried = torch.zeros_like(params)
+                    self.recovered_tokens += self.contributions.carry_into(self.carried, mine_merged)
+                self.local.shift(params - self.state.params)
             self.contributions.clear()
             self.state.params, self.state.momentum = params, momentum
             self.state.epoch, self.state.tokens_total, self.state.merged = epoch, tokens_total, merged
@@ -329,6 +334,7 @@ class Synchronizer:
         with self.lock:
             self.local.set(self.state.params)
             self.contributions.clear()
+            self.carried = None
 
     def _next_round_seconds(self, gathered: dict) -> Optional[float]:
         """Every member computes this from the same gathered data, so the group starts its next round
@@ -359,8 +365,7 @@ class Synchronizer:
 
     def _fill_buffers(self, align: bool) -> bool:
         with self.averager.get_tensors():
-            self.local.gather(self.delta)
-            torch.sub(self.state.params, self.delta, out=self.delta)  # delta = G - theta
+            self._own_delta(out=self.delta)
             if align:
                 self.local.gather_moments(self.moment)
             if torch.isfinite(self.delta).all():
@@ -373,6 +378,14 @@ class Synchronizer:
         logger.error("the local model diverged (non-finite pseudo-gradient); resetting it to the global state")
         self.local.set(self.state.params)
         return False
+
+    def _own_delta(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Our unmerged work: G - theta, plus the deltas carried from a fork we left."""
+        out = self.local.gather(self.layout.empty() if out is None else out)
+        torch.sub(self.state.params, out, out=out)
+        if self.carried is not None:
+            out.add_(self.carried)
+        return out
 
     def _average(self, tokens: int, weight: float, align: bool, deadline: float, missed_rounds: int,
                  mine: PeerRecord) -> dict:
@@ -399,8 +412,7 @@ class Synchronizer:
         if any((info.get("epoch", mine[0]), info.get("hash", mine[1])) != mine for info in gathered.values()):
             result.error = "a groupmate held a different state; not applied"  # round keys make this unreachable
             return
-        own_delta = self.local.gather(self.layout.empty())
-        torch.sub(self.state.params, own_delta, out=own_delta)  # our delta again: the buffer now holds the average
+        own_delta = self._own_delta()  # our delta again: the buffer now holds the average
         self.feedback.commit(own_delta)  # own_delta becomes what we sent; the residual keeps the rest
         with self.lock, self.averager.get_tensors():
             if not torch.isfinite(self.delta).all():
@@ -415,6 +427,7 @@ class Synchronizer:
             self.state.epoch += 1
             self.state.tokens_total += sum(int(info["tokens"]) for info in gathered.values())
             self.local.set(self.state.params)  # theta <- G (with overlap: plus the steps taken since)
+            self.carried = None  # merged with the rest of our delta
         result.applied, result.aligned = True, outcome["aligned"]
         result.offences = dict(outcome.get("offences", {}))
         result.group = tuple(sorted(gathered))

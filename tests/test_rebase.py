@@ -47,12 +47,15 @@ def test_work_merged_only_in_a_losing_fork_is_carried():
     sync.contributions.remember(4, torch.full((4,), 0.125), tokens=30)  # merged at epochs 4 and 5 in our
     sync.contributions.remember(5, torch.full((4,), 0.25), tokens=70)  # (losing) lineage
     assert sync.adopt(*offer([2.0, 2.0, 2.0, 2.0], merged={"me": 3}))
-    assert torch.equal(theta(params), torch.full((4,), 1.625))
+    # the local model rebases as usual (theta <- G_new - (G - theta)); the lost deltas ride on our next delta
+    assert torch.equal(theta(params), torch.full((4,), 2.0))
+    assert torch.equal(sync._own_delta(), torch.full((4,), 0.375))
     assert sync.take_recovered_tokens() == 100 and sync.take_recovered_tokens() == 0  # and their tokens count
     sync.contributions.remember(4, torch.full((4,), 0.125), tokens=30)
     sync.contributions.remember(5, torch.full((4,), 0.25), tokens=70)  # the winner merged 5: nothing to carry
     assert sync.adopt(*offer([3.0, 3.0, 3.0, 3.0], epoch=7, merged={"me": 5}))
-    assert torch.equal(theta(params), torch.full((4,), 2.625)) and sync.take_recovered_tokens() == 0
+    assert torch.equal(theta(params), torch.full((4,), 3.0)) and sync.take_recovered_tokens() == 0
+    assert torch.equal(sync._own_delta(), torch.full((4,), 0.375))  # what was carried before is still unsent
 
 
 def test_a_group_that_merged_our_attempt_is_not_counted_twice():
