@@ -11,13 +11,15 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.validation import RecordValidatorBase
-from hivemind.p2p import P2P, P2PDaemonError
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from dht.addresses import parse_maddrs
 from dht.cli import opt, require_positive
@@ -25,6 +27,8 @@ from dht.errors import UserError, first_line
 from dht.validation import adopt_identity, signer
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+EMPTY_TABLE = "failed to find any peer in table"  # p2pd's answer to a lookup before its routing table has a peer
+IDENTITY_CHECK_SECONDS = 10.0  # how long an identity check may wait for its probe's routing table to fill
 
 
 @dataclass(frozen=True)
@@ -129,19 +133,22 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
               check_identity: bool = True) -> SwarmDHT:
     """Start a DHT node; every failure a user can cause becomes a one-line ``UserError``. Every node signs its
     records and checks others' signatures (``dht/validation.py``); ``record_validators`` add to that.
-    ``check_identity``: ask the swarm whether a live peer already uses ``identity_path`` (hivemind's check)."""
+    ``check_identity``: ask the swarm whether a live peer already uses ``identity_path`` (``identity_taken``)."""
     validators = list(record_validators)
     if not any(isinstance(v, RSASignatureValidator) for v in validators):
         validators.insert(0, signer())
     initial_peers = [str(m) for m in parse_maddrs(config.initial_peers, flag="--initial-peers", need_peer_id=True)]
     _check_identity_dir(config)
     try:
+        if check_identity and initial_peers and config.identity_path and os.path.exists(config.identity_path):
+            if asyncio.run(identity_taken(config.identity_path, initial_peers)):
+                raise P2PDaemonError("already taken by another peer")
         return SwarmDHT(
             initial_peers=initial_peers,
             host_maddrs=list(config.host_maddrs),
             announce_maddrs=list(config.announce_maddrs) or None,
             identity_path=config.identity_path,
-            check_if_identity_free=check_identity,
+            check_if_identity_free=False,  # checked above
             client_mode=config.client_mode,
             record_validators=validators,
             startup_timeout=config.startup_timeout,
@@ -154,6 +161,29 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
             f"the DHT did not start within {config.startup_timeout:.0f}s; check that the initial peers "
             f"{' '.join(initial_peers) or '(none)'} are reachable, or raise --startup-timeout"
         ) from None
+
+
+async def identity_taken(identity_path: str, initial_peers: list, timeout: float = IDENTITY_CHECK_SECONDS) -> bool:
+    """Does a live peer of the swarm use this identity? A probe daemon joins the swarm and connects to the
+    identity's peer id. hivemind's own check (``P2P.is_identity_taken``) asks once, at once: on a busy machine
+    the probe's routing table is still empty then (p2pd answers EMPTY_TABLE; 1 try in 6 with two cores busy)
+    and the identity looks free, so the second process starts under the first one's id. We ask again until
+    the table holds a peer, within ``timeout``."""
+    with open(identity_path, "rb") as f:
+        peer_id = PeerID.from_identity(f.read())
+    probe = await P2P.create(initial_peers=initial_peers, dht_mode="client")
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                await probe._client.connect(peer_id, [])
+                return True
+            except ControlFailure as e:
+                if EMPTY_TABLE not in str(e) or time.monotonic() > deadline:
+                    return False
+            await asyncio.sleep(0.1)
+    finally:
+        await probe.shutdown()
 
 
 def explain_daemon_error(message: str, config: DHTConfig) -> str:
