@@ -51,6 +51,7 @@ class PeerRecord:
     heartbeat: float = 0.0  # seconds between the refreshes its peer promises while alive (0: none promised)
     updated_at: float = 0.0
     expires_at: float = 0.0  # DHT time the record expires unless refreshed (set by fetch_records)
+    seen_at: float = 0.0  # DHT time fetch_records read it: how stale it was then says whether its peer lives
 
     @classmethod
     def from_value(cls, value: object) -> Optional["PeerRecord"]:
@@ -132,5 +133,6 @@ def fetch_records(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = Non
             continue
         # a restarted peer signs with a new key: its old record lingers under the old subkey until it expires
         if record.peer_id not in records or record.updated_at > records[record.peer_id].updated_at:
-            records[record.peer_id] = dataclasses.replace(record, expires_at=float(item.expiration_time))
+            records[record.peer_id] = dataclasses.replace(record, expires_at=float(item.expiration_time),
+                                                          seen_at=get_dht_time())
     return records

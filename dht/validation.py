@@ -97,6 +97,7 @@ class PeerRecordModel(pydantic.BaseModel):
     heartbeat: Number
     updated_at: Number
     expires_at: Number
+    seen_at: Number
 
     class Config:
         extra = pydantic.Extra.forbid

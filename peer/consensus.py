@@ -29,11 +29,13 @@ LEAVING = "leaving"  # a record status: the peer is about to leave and only serv
 
 
 def responsive(record: PeerRecord, now: float) -> bool:
-    """False for a peer that is dead, frozen or cut off: its record missed HEARTBEAT_MISSES heartbeats (seconds
-    after it stopped), or it passed its planned sync (or the deadline of the sync it is in) by more than one of
-    its rounds (at least SILENCE_SLACK seconds) without publishing since. Its record lives on in the DHT until
-    it expires, but nobody should wait for it, count it in a group, or download from it."""
-    if record.heartbeat > 0 and now > record.updated_at + HEARTBEAT_MISSES * record.heartbeat + CLOCK_SLACK:
+    """False for a peer that is dead, frozen or cut off: when we last read its record it had missed
+    HEARTBEAT_MISSES heartbeats (seconds after the peer stopped), or it passed its planned sync (or the deadline
+    of the sync it is in) by more than one of its rounds (at least SILENCE_SLACK seconds) without publishing
+    since. Its record lives on in the DHT until it expires, but nobody should wait for it, count it in a group,
+    or download from it. (A copy we read long ago says nothing of the heartbeats since: only how stale the record
+    was when read counts, never how old our copy is now.)"""
+    if record.heartbeat > 0 and record.seen_at > record.updated_at + HEARTBEAT_MISSES * record.heartbeat + CLOCK_SLACK:
         return False
     if not record.next_sync_at:
         return True

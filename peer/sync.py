@@ -223,6 +223,8 @@ class Synchronizer:
             if not self._fill_buffers(align):
                 result.error = "local pseudo-gradient is not finite: dropped this round's work"
                 break
+            if result.attempts > 1:  # a retry: who is alive now, not when this sync began
+                self.refresh()
             mine = self.my_record()  # one state hash per attempt: hashing G and m is a pass over 2 x the model
             expected = 1 + len(peers_with_state(self.records.values(), mine))
             logger.debug(f"epoch {mine.epoch} {mine.state_hash[:6]}: expecting a group of {expected}; "

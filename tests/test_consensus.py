@@ -71,12 +71,14 @@ def test_a_peer_whose_heartbeat_stopped_is_gone_within_seconds():
     mine = record("me", 3, "aa", 10)
     # planned to sync far ahead: only the heartbeat can tell that it died
     beating = dataclasses.replace(record("a", 3, "aa", 10, next_sync_at=500.0), heartbeat=2.0, updated_at=100.0)
-    assert responsive(beating, now=105.0) and [r.peer_id for r in peers_with_state([beating], mine, now=105.0)] == ["a"]
-    gone = 100.0 + HEARTBEAT_MISSES * 2.0 + CLOCK_SLACK + 0.1
-    assert not responsive(beating, now=gone) and peers_with_state([beating], mine, now=gone) == []
-    assert voters([beating], mine, now=gone) == 1
-    legacy = record("b", 3, "aa", 10, next_sync_at=500.0)  # promises no heartbeat: judged by its plan alone
-    assert responsive(legacy, now=gone + 100.0)
+    read = dataclasses.replace(beating, seen_at=105.0)  # read 5 s after its last refresh
+    assert responsive(read, now=105.0) and [r.peer_id for r in peers_with_state([read], mine, now=105.0)] == ["a"]
+    assert responsive(read, now=300.0)  # our copy aged, but when we read it the peer was alive: not evidence
+    stale = dataclasses.replace(beating, seen_at=100.0 + HEARTBEAT_MISSES * 2.0 + CLOCK_SLACK + 0.1)
+    assert not responsive(stale, now=stale.seen_at) and peers_with_state([stale], mine, now=stale.seen_at) == []
+    assert voters([stale], mine, now=stale.seen_at) == 1
+    legacy = dataclasses.replace(record("b", 3, "aa", 10, next_sync_at=500.0), seen_at=300.0)  # no heartbeat
+    assert responsive(legacy, now=300.0)  # promises no heartbeat: judged by its plan alone
 
 
 def test_voters_are_the_responsive_peers_at_our_state_and_those_that_produced_it():
