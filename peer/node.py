@@ -379,8 +379,9 @@ class Peer:
         return self.island.size if self.island is not None else 1
 
     def _record_ttl(self) -> float:
-        """How long our record outlives its last refresh: long enough to span one inner step and a whole
-        sync, short enough that a dead peer's record soon stops making others wait for it."""
+        """How long our record outlives its last refresh. The heartbeat thread refreshes it every 2 s, and others
+        stop waiting for a dead peer once its heartbeats stop (``consensus.responsive``); this only bounds how
+        long a dead peer's record stays in the DHT, its state counted by the fork choice."""
         step = self._pace() or 0.0
         return max(RECORD_TTL, 4 * step, self.run.grace_seconds + self.sync_config.allreduce_timeout + 10)
 
