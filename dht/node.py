@@ -215,17 +215,19 @@ def visible_maddrs(dht: hivemind.DHT) -> list:
 
 
 async def _ping_peers(peer_ids: Tuple[str, ...], _dht, node) -> int:
-    pings = [node.protocol.call_ping(hivemind.PeerID.from_base58(peer_id)) for peer_id in peer_ids]
+    pings = [node.protocol.call_ping(PeerID.from_base58(peer_id)) for peer_id in peer_ids]
     answers = await asyncio.gather(*pings, return_exceptions=True)
     return sum(1 for answer in answers if answer is not None and not isinstance(answer, BaseException))
 
 
-def reach_out(dht: hivemind.DHT, peer_ids: Iterable[str]) -> None:
-    """Ping these peers in the background, putting each of us back into the other's routing table.
+def reach_out(dht: hivemind.DHT, peer_ids: Iterable[str]):
+    """Ping these peers in the background, putting each of us back into the other's routing table; returns a
+    future of how many answered (None if there was nobody to ping).
 
     hivemind's DHT drops a node from its routing table when a request to it fails and never looks for it
     again, so after a partition heals the halves stay apart until something else reconnects them (the
     bootstrap node, if it sat in the other half, is forgotten too). A ping on each side fixes that."""
     peer_ids = tuple(sorted(set(peer_ids)))
     if peer_ids:
-        dht.run_coroutine(functools.partial(_ping_peers, peer_ids), return_future=True)
+        return dht.run_coroutine(functools.partial(_ping_peers, peer_ids), return_future=True)
+    return None

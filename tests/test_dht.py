@@ -1,14 +1,16 @@
 """The swarm layer on real hivemind DHT nodes on loopback: manifests, records, startup errors."""
 
+import functools
 import json
 import socket
 
 import pytest
+from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
 from dht.errors import UserError
 from dht.manifest import RunManifest, fetch_manifest, join_or_create, manifest_key, publish_manifest
-from dht.node import LOOPBACK, DHTConfig, start_dht
+from dht.node import LOOPBACK, DHTConfig, reach_out, start_dht
 from dht.records import PeerRecord, RecordPublisher, fetch_records, publish_record
 from dht.validation import signing_peer_id
 from tests.swarm import wait_until
@@ -72,6 +74,32 @@ def test_a_published_record_keeps_its_heartbeat_until_stopped(two_nodes):
     publisher.stop()
     publisher.thread.join(timeout=5)
     assert not publisher.thread.is_alive()
+
+
+async def _forget(peer_id: str, _dht, node) -> bool:
+    """Drop a peer from this node's routing table, as hivemind does after a request to it failed; True if it
+    was there."""
+    table = node.protocol.routing_table
+    node_id = table.get(peer_id=PeerID.from_base58(peer_id))
+    if node_id is not None:
+        del table[node_id]
+    return node_id is not None
+
+
+async def _knows(peer_id: str, _dht, node) -> bool:
+    return node.protocol.routing_table.get(peer_id=PeerID.from_base58(peer_id)) is not None
+
+
+def test_reaching_out_puts_a_forgotten_peer_back_into_the_routing_table(two_nodes):
+    """After a partition each half has dropped the other from its routing table and never looks for it again;
+    a ping (``reach_out``, at every sync, to the peers gone silent) puts it back."""
+    first, second = two_nodes
+    other = second.peer_id.to_base58()
+    assert first.run_coroutine(functools.partial(_forget, other))
+    assert not first.run_coroutine(functools.partial(_knows, other))
+    assert reach_out(first, [other]).result(timeout=10) == 1
+    assert wait_until(lambda: first.run_coroutine(functools.partial(_knows, other)), 10, "the peer to be known again")
+    assert reach_out(first, []) is None
 
 
 def test_port_in_use_is_a_user_error():
