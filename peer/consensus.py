@@ -96,13 +96,17 @@ def minority(gathered: Dict[str, dict]) -> Optional[str]:
 
     Two groups formed from the peers at one state (a split matchmaking) would step that state two ways:
     a fork, which the fork choice then undoes by making the smaller group download the larger one's state.
-    So a group applies only if it holds more than half of the largest electorate any member counted, or
-    if one of its members has gone MAX_MISSED - 1 rounds unmerged (two minorities must not stall forever).
-    Dead or frozen peers leave the electorate once they are no longer ``responsive``."""
+    So a group applies only if it holds more than half of the largest electorate any member counted. Two
+    minorities must not stall forever: with no majority possible outside the group either (a 2|2 split), it also
+    applies once a member has gone MAX_MISSED - 1 rounds unmerged; with one possible, only after twice that (the
+    others may be about to apply: a peer that lagged its group for two rounds once outvoted, with one other, the
+    three peers still retrying that round, and forked it). Dead or frozen peers leave the electorate once they are
+    no longer ``responsive``."""
     size = len(gathered)
     electorate = max(int(info.get("voters", 1)) for info in gathered.values())
     missed = max(int(info.get("missed", 0)) for info in gathered.values())
-    if 2 * size > electorate or missed + 1 >= MAX_MISSED:
+    stalled = (2 if majority_elsewhere(gathered) else 1) * MAX_MISSED
+    if 2 * size > electorate or missed + 1 >= stalled:
         return None
     return f"our group holds {size} of the {electorate} peers at our state, not a majority"
 

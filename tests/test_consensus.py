@@ -106,6 +106,9 @@ def test_of_two_groups_split_from_one_state_only_the_majority_applies():
     assert minority(group(1, 1)) is None
     assert majority_elsewhere(group(2, 5)) and not majority_elsewhere(group(2, 4))  # 2|2: nobody applies, no wait
     assert minority(group(2, 4, missed=MAX_MISSED - 1)) is None  # two minorities must not stall forever
+    # with a majority possible elsewhere (it may be retrying the round), a lagging member's misses wait longer
+    assert minority(group(2, 5, missed=MAX_MISSED - 1)) is not None
+    assert minority(group(2, 5, missed=2 * MAX_MISSED - 1)) is None
     mixed = group(2, 3)
     mixed["p0"]["voters"] = 5  # members counted differently: the largest count rules, for every member alike
     assert minority(mixed) is not None
