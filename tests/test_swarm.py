@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from tests.swarm import Swarm, assert_groups_agree, by_epoch, wait_until
+from tests.swarm import Swarm, assert_groups_agree, assert_loss_fell, by_epoch, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +37,7 @@ def test_three_peers_agree_learn_and_admit_a_joiner(swarm):
     full_rounds = [epoch for epoch, records in table.items()
                    if len(records) == 3 and len({r["state_hash"] for r in records.values()}) == 1]
     assert len(full_rounds) >= 5, f"fewer than 5 rounds in which all 3 peers agreed: {sorted(full_rounds)}"
-    for peer in peers:
-        losses = [r["loss"] for r in peer.metrics]
-        assert losses[-1] < losses[0] - 0.5, f"{peer.name}: loss did not fall: {losses}"
+    assert_loss_fell(peers)
 
     # the joiner downloaded the swarm's state, so its first outer step lands on the swarm's next hash,
     # in a group with the others; and it is in the swarm's groups from then on
@@ -121,9 +119,7 @@ def test_quantized_rounds_shrink_the_wire_and_keep_states_identical(swarm):
         for peer in peers:
             assert peer.wait(240) == 0, peer.stderr[-3000:]
         assert assert_groups_agree(peers) >= 3 * 2
-        for peer in peers:
-            losses = [r["loss"] for r in peer.metrics]
-            assert losses[-1] < losses[0] - 0.5, f"{peer.name}: loss did not fall: {losses}"
+        assert_loss_fell(peers)
         full = [r["bytes_sent"] for peer in peers for r in peer.metrics if r["group_size"] == 2]
         assert len(full) >= 3 * 2, {peer.name: [(r["epoch"], r["group_size"]) for r in peer.metrics] for peer in peers}
         sent[codec] = statistics.median(full)  # the median skips a round that also served a state download
