@@ -4,8 +4,7 @@
 1. catch up: if the swarm holds a better state (fork choice), download it from its holders, check
    its hash, and rebase the local model onto it, keeping this peer's unmerged work (theta <- G_new - delta);
 2. write delta = G - theta (and, every k rounds, AdamW's first moment) into the averager's buffers;
-3. matchmaking among the live peers that hold the same (epoch, hash) or are downloading it, for at most
-   the grace window (or until all of them have moved to a better state: then it catches up instead),
+3. matchmaking among the live peers that hold the same (epoch, hash), for at most the grace window,
    then the exact all-reduce, weighted by tokens; a lost member fails the attempt and it is retried
    with the survivors from G and theta, which the attempt never touched;
 4. on success, Nesterov on the averaged delta, identical on every member: e <- e+1, theta <- G.
