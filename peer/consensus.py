@@ -4,8 +4,8 @@
   without a word, is not waited for;
 - fork choice: the state with the most tokens merged wins, then the lowest hash (DESIGN.md step 7);
   every peer that reads the same records picks the same winner;
-- the expected group: live peers that hold our exact state or are downloading it, so the matchmaking leader
-  can close the group as soon as they have all joined instead of waiting out the grace window;
+- the expected group: live peers that hold our exact state, so the matchmaking leader can close the
+  group as soon as they have all joined instead of waiting out the grace window;
 - the round target: when the peers holding our state plan to sync, so rounds end together and a
   joiner lines its first round up with the others';
 - the majority rule: when matchmaking splits the peers at one state into two groups, only a group
@@ -74,25 +74,6 @@ def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord, now: Optio
     now = get_dht_time() if now is None else now
     return [r for r in active(records, mine.manifest_hash)
             if r.peer_id != mine.peer_id and holds_state(r, mine) and responsive(r, now)]
-
-
-def joining(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[PeerRecord]:
-    """Other active, responsive peers downloading our exact state now: they join its next group if they can. A
-    group that counted only the peers already holding the state closed before a late peer's download ended, round
-    after round when the download took as long as a round (a joiner under load lagged 3 rounds so)."""
-    now = get_dht_time() if now is None else now
-    return [r for r in active(records, mine.manifest_hash)
-            if r.peer_id != mine.peer_id and r.adopting == mine.state_hash and not holds_state(r, mine)
-            and responsive(r, now)]
-
-
-def due(records: Iterable[PeerRecord], mine: PeerRecord, window: float,
-        now: Optional[float] = None) -> List[PeerRecord]:
-    """Peers at our exact state whose planned sync passed less than ``window`` seconds (the grace window: how long a
-    group waits for late peers) ago: they are looking for a group at our state now, and a late peer joins them at
-    once instead of training on towards a plan of its own."""
-    now = get_dht_time() if now is None else now
-    return [r for r in peers_with_state(records, mine, now) if r.next_sync_at and now - window <= r.next_sync_at <= now]
 
 
 def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None,

@@ -3,9 +3,7 @@
 - After an outer step the group already agrees: its members shared their pace in the all-reduce and
   all computed the same length for the next round (``Synchronizer._next_round_seconds``).
 - A peer without that agreement (a joiner, or one that missed its group and caught up) lines up with
-  the plans that the peers holding its state published in their records (``consensus.round_target``);
-  if those plans have just passed, the peers are looking for a group now, and it ends its round at once
-  (``consensus.due``).
+  the plans that the peers holding its state published in their records (``consensus.round_target``).
   Until it finds such plans it keeps training and keeps looking: once the swarm moves on, it catches
   up mid-round (keeping its work) and takes the swarm's end time as its own.
 
@@ -22,7 +20,7 @@ from typing import Callable, Optional
 from hivemind.utils import get_dht_time
 
 from peer.config import RunConfig
-from peer.consensus import due, peers_with_state, round_target
+from peer.consensus import peers_with_state, round_target
 from peer.sync import Synchronizer
 
 WATCH_INTERVAL = 1.0  # seconds between looks at the swarm while a round is not lined up
@@ -73,8 +71,8 @@ class RoundClock:
         now = get_dht_time()
         records, mine = self.synchronizer.records.values(), self.synchronizer.my_record()
         others = [r for r in peers_with_state(records, mine) if r.next_sync_at and r.next_sync_at > now]
-        if others or due(records, mine, self.run.grace_seconds, now):
-            target = round_target(records, mine, None, now) if others else now
+        if others:
+            target = round_target(records, mine, None, now)
             self.aligned = True
             self.publish(target)
             self._set_deadline(target, now)
@@ -106,9 +104,6 @@ class RoundClock:
 
     def _target_from_records(self, now: float) -> Optional[float]:
         records, mine = self.synchronizer.records.values(), self.synchronizer.my_record()
-        if due(records, mine, self.run.grace_seconds, now):  # they are looking for a group at our state now
-            self.aligned = True
-            return now
         if peers_with_state(records, mine):
             self.aligned = any(r.next_sync_at and r.next_sync_at > now for r in peers_with_state(records, mine))
             return round_target(records, mine, self._own_plan(now), now)

@@ -26,8 +26,6 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
-from hivemind.averaging.control import AveragingStage
-from hivemind.averaging.partition import AllreduceException
 from hivemind.utils import get_dht_time
 
 from compression import get_codec
@@ -38,17 +36,7 @@ from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.allreduce import MaybeApplied, MinorityGroup, NoMajority
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
-from peer.consensus import (
-    MAX_MISSED,
-    awaiting_state,
-    choose_state,
-    due,
-    joining,
-    peers_behind,
-    peers_with_state,
-    responsive,
-    voters,
-)
+from peer.consensus import MAX_MISSED, awaiting_state, choose_state, peers_behind, peers_with_state, responsive, voters
 from peer.contributions import Contributions
 from peer.deadlines import Deadlines
 from peer.flat import FlatLayout
@@ -60,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 NO_GROUP = "could not find a group"
 SETTLE_SECONDS, SETTLE_POLL = 2.0, 0.25  # how long a failed member looks for its group's finished state
-MOVED_ON_POLL = 0.5  # seconds between looks at the swarm while we wait for a group
 LOOKUP_TIMEOUT = 2.0  # seconds a look at the swarm's records may block training (a partition slows the DHT)
 
 
@@ -155,26 +142,18 @@ class Synchronizer:
         donors = [r.peer_id for r in self.records.values() if r.state_hash == best.state_hash and not r.client_mode]
         logger.info(f"swarm is at epoch {best.epoch} ({best.state_hash[:8]}), we are at {self.state.epoch}: "
                     f"downloading the state from {len(donors)} peer(s)")
-        self._adopting(best.state_hash)  # its holders' next group waits for us (``consensus.joining``)
-        try:
-            downloaded = self.averager.download_state(donors, best.state_hash, timeout=timeout,
-                                                      part_timeout=self.deadlines.part())
-            if downloaded is None:
-                logger.warning("could not download the swarm's state from any holder; training on ours for now")
-                return False
-            used, metadata, tensors = downloaded
-            if not self.adopt(metadata, tensors, attempted_epoch):
-                logger.warning(f"the state from {', '.join(used)} fails its hash check; ignored")
-                return False
-            logger.info(f"adopted epoch {self.state.epoch} ({self.state.hash()[:8]}), downloaded from "
-                        f"{len(used)} peer(s)")
-            return True
-        finally:
-            self._adopting(None)  # republished at once: with the state we adopted, if we did
-
-    def _adopting(self, state_hash: Optional[str]) -> None:
-        fields = {k: v for k, v in self.fields().items() if k != "adopting"}
-        self.announce(self.announced["ttl"], **fields, **({"adopting": state_hash} if state_hash else {}))
+        downloaded = self.averager.download_state(donors, best.state_hash, timeout=timeout,
+                                                  part_timeout=self.deadlines.part())
+        if downloaded is None:
+            logger.warning("could not download the swarm's state from any holder; training on ours for now")
+            return False
+        used, metadata, tensors = downloaded
+        if not self.adopt(metadata, tensors, attempted_epoch):
+            logger.warning(f"the state from {', '.join(used)} fails its hash check; ignored")
+            return False
+        logger.info(f"adopted epoch {self.state.epoch} ({self.state.hash()[:8]}), downloaded from {len(used)} peer(s)")
+        self._republish()  # others count us in their next group as soon as we hold their state
+        return True
 
     def adopt(self, metadata: dict, tensors: List[torch.Tensor], attempted_epoch: Optional[int] = None) -> bool:
         """Verify a downloaded (G, m, e) against its hash and rebase onto it.
@@ -232,10 +211,10 @@ class Synchronizer:
         silent = [pid for pid, r in self.records.items() if not responsive(r, get_dht_time())]
         reach_out(self.dht, silent + list(self.initial_peer_ids))  # a healed partition reconnects at once
         result.rebased = self.catch_up(timeout=max(budget / 3, 5.0))
-        if result.rebased and not due(self.records.values(), self.my_record(), self.run.grace_seconds):
-            # The peers holding the state we just adopted are training towards their next sync: contribute then
-            # (our next round lines up with it). If they are looking for a group now, they may be waiting for
-            # us (our record said we were downloading their state): go and join them.
+        if result.rebased:
+            # The peers holding the state we just adopted sized their groups from records that showed us
+            # behind, so they are not waiting for us now. Keep training on top of their state and
+            # contribute at their next sync, which our next round lines up with.
             result.error = "caught up with the swarm; contributing at its next sync"
             return result
         while result.attempts <= self.config.retries and time.monotonic() < deadline:
@@ -247,8 +226,7 @@ class Synchronizer:
             if result.attempts > 1:  # a retry: who is alive now, not when this sync began
                 self.refresh()
             mine = self.my_record()  # one state hash per attempt: hashing G and m is a pass over 2 x the model
-            records = self.records.values()
-            expected = 1 + len(peers_with_state(records, mine)) + len(joining(records, mine))
+            expected = 1 + len(peers_with_state(self.records.values(), mine))
             logger.debug(f"epoch {mine.epoch} {mine.state_hash[:6]}: expecting a group of {expected}; "
                          f"records {[(r.peer_id[-4:], r.epoch, r.state_hash[:6]) for r in self.records.values()]}")
             if expected == 1:  # nobody else holds our state: no one to average with now
@@ -424,24 +402,11 @@ class Synchronizer:
             gather=gather, weight=float(weight), scheduled_time=get_dht_time() + grace,
             timeout=grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False, wait=False,
         )
-        while True:
-            try:
-                return control.result(timeout=max(min(deadline - time.monotonic(), MOVED_ON_POLL), 0.1))
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    control.cancel()
-                    raise TimeoutError("the sync deadline passed") from None
-                if control.stage == AveragingStage.LOOKING_FOR_GROUP and self._moved_on(mine):
-                    control.cancel()
-                    raise AllreduceException(f"{NO_GROUP}: the peers at our state moved on") from None
-
-    def _moved_on(self, mine: PeerRecord) -> bool:
-        """While we look for a group: has every peer that held our state left it for a better one? Then nobody
-        will join us at this state, and waiting out the matchmaking timeout (grace + request timeout) only lets the
-        swarm move further ahead: a peer one round late spent 4 s so, found the swarm 2 epochs on, and lagged again."""
-        records = self.refresh().values()
-        return not peers_with_state(records, mine) and not joining(records, mine) and \
-            choose_state(records, mine) is not None
+        try:
+            return control.result(timeout=max(deadline - time.monotonic(), 0.1))
+        except TimeoutError:
+            control.cancel()
+            raise TimeoutError("the sync deadline passed") from None
 
     def _apply(self, outcome: dict, result: SyncResult) -> None:
         gathered = outcome["gathered"]

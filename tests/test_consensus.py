@@ -10,8 +10,6 @@ from peer.consensus import (
     SILENCE_SLACK,
     awaiting_state,
     choose_state,
-    due,
-    joining,
     majority_elsewhere,
     minority,
     peers_behind,
@@ -126,19 +124,3 @@ def test_a_leaving_peer_waits_only_for_peers_that_could_get_its_state_from_nobod
     assert awaiting_state([behind, dataclasses.replace(holder, status="leaving")], mine, now=95.0) == ["b"]
     assert awaiting_state([behind, dataclasses.replace(holder, client_mode=True)], mine, now=95.0) == ["b"]
     assert awaiting_state([behind], mine, now=100.0 + SILENCE_SLACK + 1) == []  # dead or frozen: not waited for
-
-
-def test_a_peer_downloading_our_state_is_expected_in_its_next_group():
-    mine = record("me", 5, "aa", 50)
-    late = dataclasses.replace(record("late", 4, "old", 40, next_sync_at=100.0), adopting="aa")
-    elsewhere = dataclasses.replace(record("x", 4, "old", 40, next_sync_at=100.0), adopting="ab")
-    assert [r.peer_id for r in joining([late, elsewhere], mine, now=95.0)] == ["late"]
-    assert joining([late], mine, now=100.0 + SILENCE_SLACK + 1) == []  # it went silent: not waited for
-
-
-def test_peers_whose_planned_sync_just_passed_are_looking_for_a_group_now():
-    mine = record("me", 5, "aa", 50)
-    planned = {name: record(name, 5, "aa", 50, next_sync_at=at) for name, at in
-               (("just", 99.5), ("soon", 101.0), ("long-ago", 90.0))}
-    assert [r.peer_id for r in due(planned.values(), mine, window=2.0, now=100.0)] == ["just"]
-    assert due([record("other", 5, "ab", 50, next_sync_at=99.5)], mine, window=2.0, now=100.0) == []
