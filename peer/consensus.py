@@ -125,6 +125,15 @@ def peers_behind(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[
             if r.peer_id != mine.peer_id and r.epoch < mine.epoch and responsive(r, now)]
 
 
+def peers_ahead(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[PeerRecord]:
+    """Other active, responsive peers whose state wins the fork choice over ours. While one lives, a peer without a
+    group never steps alone: its own step could only fork the run and lose; it catches up instead. (Stale records of
+    peers cut off by a partition stop counting once they are no longer ``responsive``: a cut-off peer trains on.)"""
+    now = get_dht_time() if now is None else now
+    return [r for r in active(records, mine.manifest_hash)
+            if r.peer_id != mine.peer_id and fork_key(r) < fork_key(mine) and responsive(r, now)]
+
+
 def awaiting_state(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[str]:
     """The peers a leaving peer (``mine``) should wait for: if no other active peer that can serve our state holds
     it, the active, responsive peers whose state loses the fork choice to ours. Without us they would never get it: a

@@ -36,7 +36,16 @@ from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.allreduce import MaybeApplied, MinorityGroup, NoMajority
 from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
-from peer.consensus import MAX_MISSED, awaiting_state, choose_state, peers_behind, peers_with_state, responsive, voters
+from peer.consensus import (
+    MAX_MISSED,
+    awaiting_state,
+    choose_state,
+    peers_ahead,
+    peers_behind,
+    peers_with_state,
+    responsive,
+    voters,
+)
 from peer.contributions import Contributions
 from peer.deadlines import Deadlines
 from peer.flat import FlatLayout
@@ -230,8 +239,12 @@ class Synchronizer:
             logger.debug(f"epoch {mine.epoch} {mine.state_hash[:6]}: expecting a group of {expected}; "
                          f"records {[(r.peer_id[-4:], r.epoch, r.state_hash[:6]) for r in self.records.values()]}")
             if expected == 1:  # nobody else holds our state: no one to average with now
-                behind = peers_behind(self.records.values(), mine)
-                if self.lookup_failed and missed_rounds + 1 < MAX_MISSED:
+                behind, ahead = peers_behind(self.records.values(), mine), peers_ahead(self.records.values(), mine)
+                if ahead:
+                    # our download of their state failed (in CI its holders had moved on during it, twice): a
+                    # step of our own would fork the run, and lose the fork choice; catch up next round instead
+                    result.error = f"{len(ahead)} live peer(s) hold a better state; catching up next round"
+                elif self.lookup_failed and missed_rounds + 1 < MAX_MISSED:
                     # we could not read the swarm's records in time (slow links, a partition): stepping alone on
                     # a view that may be empty only because it is late would fork the run
                     result.error = "could not read the swarm's records in time; contributing next round"
@@ -271,7 +284,8 @@ class Synchronizer:
                 if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0)):
                     result.rebased = True
                     result.error = "missed the group; caught up, contributing at the next sync"
-                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), mine) == 1:
+                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), mine) == 1 and \
+                        not peers_ahead(self.records.values(), mine):
                     self._apply_alone(tokens, result)  # the others at our state went silent: we are alone
                 else:  # stepping alone while others at our state are alive would fork the run (a minority of 1)
                     result.error = f"no group formed with the {expected - 1} peer(s) at our state; retrying next round"

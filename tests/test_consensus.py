@@ -12,6 +12,7 @@ from peer.consensus import (
     choose_state,
     majority_elsewhere,
     minority,
+    peers_ahead,
     peers_behind,
     peers_with_state,
     responsive,
@@ -124,3 +125,12 @@ def test_a_leaving_peer_waits_only_for_peers_that_could_get_its_state_from_nobod
     assert awaiting_state([behind, dataclasses.replace(holder, status="leaving")], mine, now=95.0) == ["b"]
     assert awaiting_state([behind, dataclasses.replace(holder, client_mode=True)], mine, now=95.0) == ["b"]
     assert awaiting_state([behind], mine, now=100.0 + SILENCE_SLACK + 1) == []  # dead or frozen: not waited for
+
+
+def test_a_peer_without_a_group_does_not_step_alone_while_a_live_peer_is_ahead():
+    mine = record("me", 11, "aa", 110)
+    ahead = record("a", 13, "cc", 130, next_sync_at=100.0)
+    assert [r.peer_id for r in peers_ahead([ahead, record("b", 10, "bb", 100, next_sync_at=100.0)], mine,
+                                           now=95.0)] == ["a"]
+    assert peers_ahead([ahead], mine, now=100.0 + SILENCE_SLACK + 1) == []  # cut off or dead: we train on alone
+    assert peers_ahead([dataclasses.replace(ahead, status="left")], mine, now=95.0) == []
