@@ -241,7 +241,7 @@ class Synchronizer:
             if expected == 1:  # nobody else holds our state: no one to average with now
                 behind, ahead = peers_behind(self.records.values(), mine), peers_ahead(self.records.values(), mine)
                 if ahead:
-                    # our download of their state failed (in CI its holders had moved on during it, twice): a
+                    # our download of their state failed (in a rehearsal all its holders moved on during it): a
                     # step of our own would fork the run, and lose the fork choice; catch up next round instead
                     result.error = f"{len(ahead)} live peer(s) hold a better state; catching up next round"
                 elif self.lookup_failed and missed_rounds + 1 < MAX_MISSED:
