@@ -239,12 +239,8 @@ class Synchronizer:
             logger.debug(f"epoch {mine.epoch} {mine.state_hash[:6]}: expecting a group of {expected}; "
                          f"records {[(r.peer_id[-4:], r.epoch, r.state_hash[:6]) for r in self.records.values()]}")
             if expected == 1:  # nobody else holds our state: no one to average with now
-                behind, ahead = peers_behind(self.records.values(), mine), peers_ahead(self.records.values(), mine)
-                if ahead:
-                    # our download of their state failed (in a rehearsal all its holders moved on during it): a
-                    # step of our own would fork the run, and lose the fork choice; catch up next round instead
-                    result.error = f"{len(ahead)} live peer(s) hold a better state; catching up next round"
-                elif self.lookup_failed and missed_rounds + 1 < MAX_MISSED:
+                behind = peers_behind(self.records.values(), mine)
+                if self.lookup_failed and missed_rounds + 1 < MAX_MISSED:
                     # we could not read the swarm's records in time (slow links, a partition): stepping alone on
                     # a view that may be empty only because it is late would fork the run
                     result.error = "could not read the swarm's records in time; contributing next round"
@@ -253,7 +249,7 @@ class Synchronizer:
                     # partition): stepping alone now would fork the run; contribute with them next round
                     result.error = f"the {len(behind)} other live peer(s) are behind us; contributing next round"
                 else:
-                    self._apply_alone(tokens, result)
+                    self._apply_alone(tokens, result, mine)
                 break
             attempt_started = time.monotonic()
             try:
@@ -284,9 +280,8 @@ class Synchronizer:
                 if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0)):
                     result.rebased = True
                     result.error = "missed the group; caught up, contributing at the next sync"
-                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), mine) == 1 and \
-                        not peers_ahead(self.records.values(), mine):
-                    self._apply_alone(tokens, result)  # the others at our state went silent: we are alone
+                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), mine) == 1:
+                    self._apply_alone(tokens, result, mine)  # the others at our state went silent: we are alone
                 else:  # stepping alone while others at our state are alive would fork the run (a minority of 1)
                     result.error = f"no group formed with the {expected - 1} peer(s) at our state; retrying next round"
                 break
@@ -371,8 +366,14 @@ class Synchronizer:
                  if isinstance(info.get("planned_end"), (int, float))]
         return statistics.median(plans) if plans else None
 
-    def _apply_alone(self, tokens: int, result: SyncResult) -> None:
-        """No group: a quorum-1 peer's own delta is its outer step; with a larger quorum, wait."""
+    def _apply_alone(self, tokens: int, result: SyncResult, mine: PeerRecord) -> None:
+        """No group: a quorum-1 peer's own delta is its outer step; with a larger quorum, wait. Never while a live
+        peer holds a better state: our download of it failed (in a rehearsal all its holders moved on during it),
+        and a step of our own would fork the run and lose the fork choice; we catch up next round instead."""
+        ahead = peers_ahead(self.records.values(), mine)
+        if ahead:
+            result.error = f"{len(ahead)} live peer(s) hold a better state; catching up next round"
+            return
         if self.run.quorum > 1:
             result.error = f"no group of at least {self.run.quorum} peers formed"
             return
