@@ -24,7 +24,7 @@ from dht.records import PeerRecord
 SILENCE_SLACK = 10.0  # seconds past its planned sync a peer may stay silent before others stop waiting for it
 HEARTBEAT_MISSES = 3  # heartbeats a record may miss (a slow DHT store, say) before its peer counts as gone
 CLOCK_SLACK = 2.0  # seconds of clock difference between two peers' DHT times that we tolerate
-MAX_MISSED = 3  # unmerged rounds in a row after which a peer applies without a majority (or alone, at quorum 1)
+MAX_MISSED = 3  # rounds in a row stuck at one state before a peer applies without a majority (alone, at quorum 1)
 LEAVING = "leaving"  # a record status: the peer is about to leave and only serves its state meanwhile
 
 
@@ -98,10 +98,11 @@ def minority(gathered: Dict[str, dict]) -> Optional[str]:
     a fork, which the fork choice then undoes by making the smaller group download the larger one's state.
     So a group applies only if it holds more than half of the largest electorate any member counted. Two
     minorities must not stall forever: with no majority possible outside the group either (a 2|2 split), it also
-    applies once a member has gone MAX_MISSED - 1 rounds unmerged; with one possible, only after twice that (the
-    others may be about to apply: a peer that lagged its group for two rounds once outvoted, with one other, the
-    three peers still retrying that round, and forked it). Dead or frozen peers leave the electorate once they are
-    no longer ``responsive``."""
+    applies once a member has sat MAX_MISSED - 1 rounds at this state without applying ("missed"; rounds lost
+    catching up do not count: a peer that has just adopted the state is not stalled); with one possible, only after
+    twice that (the others may be about to apply: a peer that lagged its group for two rounds once outvoted, with
+    one other, the three peers still retrying that round, and forked it). Dead or frozen peers leave the electorate
+    once they are no longer ``responsive``."""
     size = len(gathered)
     electorate = max(int(info.get("voters", 1)) for info in gathered.values())
     missed = max(int(info.get("missed", 0)) for info in gathered.values())

@@ -99,6 +99,10 @@ class Synchronizer:
         self.recovered_tokens = 0  # tokens behind deltas carried over from a fork we left, not yet re-sent
         self.carried: Optional[torch.Tensor] = None  # those deltas, summed: sent with our next contribution
         self.lookup_failed = False  # the last look at the swarm's records timed out: what we know may be stale
+        # rounds in a row we sat at this epoch without applying: what the escapes from waiting count (not the
+        # unmerged rounds, which include rounds lost catching up; a peer that just adopted the swarm's state is
+        # not stalled, and once counted as such it forked a majority still at work)
+        self.stuck, self.stuck_epoch = 0, -1
         # overlap: when the round in progress is planned to end (DHT time), shared with the group (``_round_end``)
         self.planned_end: Callable[[], Optional[float]] = lambda: None
 
@@ -208,12 +212,19 @@ class Synchronizer:
         ``missed_rounds``: rounds in a row this peer's work went unmerged; it weighs
         tokens x stale_discount^missed_rounds in the average (DESIGN.md step 6). A peer that misses a group
         while others hold its state does not step alone (that would fork the run); it catches up and
-        contributes later. Only after MAX_MISSED such rounds, and with no other responsive peer at its state, does a
-        quorum-1 peer go on alone.
+        contributes later. Only after MAX_MISSED rounds stuck at its state (``self.stuck``), and with no other
+        responsive peer at its state, does a quorum-1 peer go on alone.
         ``step_seconds``: this peer's recent seconds per inner step, shared with the group so that every
         member computes the same length for the next round (H steps of the median member).
         """
         self.step_seconds = step_seconds
+        if self.state.epoch != self.stuck_epoch:
+            self.stuck, self.stuck_epoch = 0, self.state.epoch
+        result = self._sync(tokens, budget, missed_rounds)
+        self.stuck = 0 if result.applied or result.rebased else self.stuck + 1
+        return result
+
+    def _sync(self, tokens: int, budget: float, missed_rounds: int) -> SyncResult:
         result, deadline = SyncResult(), time.monotonic() + budget
         syncing = dict(self.fields(), status="syncing", busy_until=get_dht_time() + budget)
         self.announce(self.announced["ttl"], **syncing)  # silent until then, yet alive
@@ -240,11 +251,11 @@ class Synchronizer:
                          f"records {[(r.peer_id[-4:], r.epoch, r.state_hash[:6]) for r in self.records.values()]}")
             if expected == 1:  # nobody else holds our state: no one to average with now
                 behind = peers_behind(self.records.values(), mine)
-                if self.lookup_failed and missed_rounds + 1 < MAX_MISSED:
+                if self.lookup_failed and self.stuck + 1 < MAX_MISSED:
                     # we could not read the swarm's records in time (slow links, a partition): stepping alone on
                     # a view that may be empty only because it is late would fork the run
                     result.error = "could not read the swarm's records in time; contributing next round"
-                elif behind and missed_rounds + 1 < MAX_MISSED:
+                elif behind and self.stuck + 1 < MAX_MISSED:
                     # they adopt our state at their next round (or their records are stale, as in a
                     # partition): stepping alone now would fork the run; contribute with them next round
                     result.error = f"the {len(behind)} other live peer(s) are behind us; contributing next round"
@@ -257,7 +268,7 @@ class Synchronizer:
                                             allreduce_timeout=self.deadlines.allreduce(1 + align),
                                             part_timeout=self.deadlines.part(1 + align))
                 outcome = self._average(tokens, tokens * self.run.stale_discount ** missed_rounds, align, deadline,
-                                        missed_rounds, mine)
+                                        mine)
             except Exception as e:  # AllreduceException, TimeoutError, or anything the averager process hit
                 their_end = attempt_started + self.run.grace_seconds + self.deadlines.allreduce(1 + align)
                 if isinstance(e, MinorityGroup):  # the larger group applies this round: adopt its state when it does
@@ -280,7 +291,7 @@ class Synchronizer:
                 if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0)):
                     result.rebased = True
                     result.error = "missed the group; caught up, contributing at the next sync"
-                elif missed_rounds + 1 >= MAX_MISSED and voters(self.records.values(), mine) == 1:
+                elif self.stuck + 1 >= MAX_MISSED and voters(self.records.values(), mine) == 1:
                     self._apply_alone(tokens, result, mine)  # the others at our state went silent: we are alone
                 else:  # stepping alone while others at our state are alive would fork the run (a minority of 1)
                     result.error = f"no group formed with the {expected - 1} peer(s) at our state; retrying next round"
@@ -404,13 +415,12 @@ class Synchronizer:
             out.add_(self.carried)
         return out
 
-    def _average(self, tokens: int, weight: float, align: bool, deadline: float, missed_rounds: int,
-                 mine: PeerRecord) -> dict:
+    def _average(self, tokens: int, weight: float, align: bool, deadline: float, mine: PeerRecord) -> dict:
         grace = self.run.grace_seconds
         if self.fault_hook is not None:
             self.fault_hook("matchmaking", self.state.epoch)
         gather = dict(epoch=mine.epoch, hash=mine.state_hash, tokens=tokens, align=align,
-                      step_seconds=self.step_seconds, missed=missed_rounds,
+                      step_seconds=self.step_seconds, missed=self.stuck,
                       voters=voters(self.records.values(), mine, producers=self.producers()),
                       planned_end=self.planned_end())
         control = self.averager.step(
