@@ -46,6 +46,7 @@ class PeerRecord:
     next_sync_at: Optional[float] = None  # DHT time this peer expects to start matchmaking
     round_seconds: Optional[float] = None  # length of its last round, compute plus sync
     busy_until: Optional[float] = None  # DHT time its current sync may last until (set while syncing)
+    adopting: Optional[str] = None  # the hash of a state it is downloading now: it joins that state's next group
     client_mode: bool = False
     bytes_per_round: int = 0
     heartbeat: float = 0.0  # seconds between the refreshes its peer promises while alive (0: none promised)

@@ -92,6 +92,7 @@ class PeerRecordModel(pydantic.BaseModel):
     next_sync_at: Optional[Number]
     round_seconds: Optional[Number]
     busy_until: Optional[Number]
+    adopting: Optional[pydantic.StrictStr]
     client_mode: pydantic.StrictBool
     bytes_per_round: pydantic.conint(strict=True, ge=0)
     heartbeat: Number

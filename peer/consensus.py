@@ -76,6 +76,25 @@ def peers_with_state(records: Iterable[PeerRecord], mine: PeerRecord, now: Optio
             if r.peer_id != mine.peer_id and holds_state(r, mine) and responsive(r, now)]
 
 
+def joining(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[PeerRecord]:
+    """Other active, responsive peers downloading our exact state now: they join its next group if they can. A
+    group that counted only the peers already holding the state closed before a late peer's download ended, round
+    after round when the download took about as long as a round (the lag loop)."""
+    now = get_dht_time() if now is None else now
+    return [r for r in active(records, mine.manifest_hash)
+            if r.peer_id != mine.peer_id and r.adopting == mine.state_hash and not holds_state(r, mine)
+            and responsive(r, now)]
+
+
+def syncing_now(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[PeerRecord]:
+    """Peers at our exact state that are in a sync now (matchmaking or all-reduce). A peer that has just
+    adopted that state goes to matchmaking at once: its holders may be waiting for it (``joining``), and a round
+    of its own would end after their group closed, the state it holds already being averaged onward."""
+    now = get_dht_time() if now is None else now
+    return [r for r in peers_with_state(records, mine, now)
+            if r.status == "syncing" and r.busy_until is not None and r.busy_until > now]
+
+
 def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None,
            producers: Iterable[str] = ()) -> int:
     """The electorate of the majority rule, us included: responsive peers at our exact state, and the

@@ -4,6 +4,8 @@
   all computed the same length for the next round (``Synchronizer._next_round_seconds``).
 - A peer without that agreement (a joiner, or one that missed its group and caught up) lines up with
   the plans that the peers holding its state published in their records (``consensus.round_target``).
+  If it adopts the state while they are syncing it, it ends its round at once and joins them: they expect it
+  (its record said it was downloading their state), and a round of its own would end after their group closed.
   Until it finds such plans it keeps training and keeps looking: once the swarm moves on, it catches
   up mid-round (keeping its work) and takes the swarm's end time as its own.
 
@@ -68,6 +70,12 @@ class RoundClock:
         self._last_watch = time.monotonic()
         if self.synchronizer.catch_up(timeout=60.0):
             self.rebased = True
+            if self.synchronizer.holders_syncing():
+                # they may be waiting for us: end the round now and join them. Our published plan stays as it
+                # was: a plan of "now" would draw others' rounds (the median of plans) short too
+                self.aligned = True
+                self._set_deadline(get_dht_time(), get_dht_time())
+                return
         now = get_dht_time()
         records, mine = self.synchronizer.records.values(), self.synchronizer.my_record()
         others = [r for r in peers_with_state(records, mine) if r.next_sync_at and r.next_sync_at > now]

@@ -40,10 +40,12 @@ from peer.consensus import (
     MAX_MISSED,
     awaiting_state,
     choose_state,
+    joining,
     peers_ahead,
     peers_behind,
     peers_with_state,
     responsive,
+    syncing_now,
     voters,
 )
 from peer.contributions import Contributions
@@ -155,18 +157,31 @@ class Synchronizer:
         donors = [r.peer_id for r in self.records.values() if r.state_hash == best.state_hash and not r.client_mode]
         logger.info(f"swarm is at epoch {best.epoch} ({best.state_hash[:8]}), we are at {self.state.epoch}: "
                     f"downloading the state from {len(donors)} peer(s)")
-        downloaded = self.averager.download_state(donors, best.state_hash, timeout=timeout,
-                                                  part_timeout=self.deadlines.part())
-        if downloaded is None:
-            logger.warning("could not download the swarm's state from any holder; training on ours for now")
-            return False
-        used, metadata, tensors = downloaded
-        if not self.adopt(metadata, tensors, attempted_epoch):
-            logger.warning(f"the state from {', '.join(used)} fails its hash check; ignored")
-            return False
-        logger.info(f"adopted epoch {self.state.epoch} ({self.state.hash()[:8]}), downloaded from {len(used)} peer(s)")
-        self._republish()  # others count us in their next group as soon as we hold their state
-        return True
+        self._adopting(best.state_hash)  # its holders' next group expects us (``consensus.joining``)
+        try:
+            downloaded = self.averager.download_state(donors, best.state_hash, timeout=timeout,
+                                                      part_timeout=self.deadlines.part())
+            if downloaded is None:
+                logger.warning("could not download the swarm's state from any holder; training on ours for now")
+                return False
+            used, metadata, tensors = downloaded
+            if not self.adopt(metadata, tensors, attempted_epoch):
+                logger.warning(f"the state from {', '.join(used)} fails its hash check; ignored")
+                return False
+            logger.info(f"adopted epoch {self.state.epoch} ({self.state.hash()[:8]}), downloaded from "
+                        f"{len(used)} peer(s)")
+            return True
+        finally:
+            self._adopting(None)  # republished at once, with the state we adopted if we did: others count us
+
+    def _adopting(self, state_hash: Optional[str]) -> None:
+        fields = {k: v for k, v in self.fields().items() if k != "adopting"}
+        self.announce(self.announced["ttl"], **fields, **({"adopting": state_hash} if state_hash else {}))
+
+    def holders_syncing(self) -> bool:
+        """Just after adopting a state: are its holders in a sync now (``consensus.syncing_now``)? A fresh look:
+        the records read before the download predate it."""
+        return bool(syncing_now(self.refresh().values(), self.my_record()))
 
     def adopt(self, metadata: dict, tensors: List[torch.Tensor], attempted_epoch: Optional[int] = None) -> bool:
         """Verify a downloaded (G, m, e) against its hash and rebase onto it.
@@ -231,10 +246,10 @@ class Synchronizer:
         silent = [pid for pid, r in self.records.items() if not responsive(r, get_dht_time())]
         reach_out(self.dht, silent + list(self.initial_peer_ids))  # a healed partition reconnects at once
         result.rebased = self.catch_up(timeout=max(budget / 3, 5.0))
-        if result.rebased:
-            # The peers holding the state we just adopted sized their groups from records that showed us
-            # behind, so they are not waiting for us now. Keep training on top of their state and
-            # contribute at their next sync, which our next round lines up with.
+        if result.rebased and not self.holders_syncing():
+            # The peers holding the state we just adopted are training towards their next sync: keep training on
+            # top of their state and contribute then (our next round lines up with it). If they are syncing now,
+            # they may be waiting for us (our record said we were downloading their state): join them.
             result.error = "caught up with the swarm; contributing at its next sync"
             return result
         while result.attempts <= self.config.retries and time.monotonic() < deadline:
@@ -246,7 +261,8 @@ class Synchronizer:
             if result.attempts > 1:  # a retry: who is alive now, not when this sync began
                 self.refresh()
             mine = self.my_record()  # one state hash per attempt: hashing G and m is a pass over 2 x the model
-            expected = 1 + len(peers_with_state(self.records.values(), mine))
+            records = self.records.values()  # the peers at our state, and those downloading it: they join us
+            expected = 1 + len(peers_with_state(records, mine)) + len(joining(records, mine))
             logger.debug(f"epoch {mine.epoch} {mine.state_hash[:6]}: expecting a group of {expected}; "
                          f"records {[(r.peer_id[-4:], r.epoch, r.state_hash[:6]) for r in self.records.values()]}")
             if expected == 1:  # nobody else holds our state: no one to average with now

@@ -10,6 +10,7 @@ from peer.consensus import (
     SILENCE_SLACK,
     awaiting_state,
     choose_state,
+    joining,
     majority_elsewhere,
     minority,
     peers_ahead,
@@ -17,6 +18,7 @@ from peer.consensus import (
     peers_with_state,
     responsive,
     round_target,
+    syncing_now,
     voters,
 )
 
@@ -134,3 +136,19 @@ def test_a_peer_without_a_group_does_not_step_alone_while_a_live_peer_is_ahead()
                                            now=95.0)] == ["a"]
     assert peers_ahead([ahead], mine, now=100.0 + SILENCE_SLACK + 1) == []  # cut off or dead: we train on alone
     assert peers_ahead([dataclasses.replace(ahead, status="left")], mine, now=95.0) == []
+
+
+def test_a_peer_downloading_our_state_is_expected_and_joins_holders_that_are_syncing_it():
+    """The lag loop: a late peer's download took as long as a round, and every group closed before it ended."""
+    now = 1000.0
+    mine = record("me", 5, "aa", 100)
+    late = dataclasses.replace(record("late", 3, "cc", 60), adopting="aa")
+    elsewhere = dataclasses.replace(record("other", 3, "cc", 60), adopting="dd")
+    assert [r.peer_id for r in joining([late, elsewhere], mine, now)] == ["late"]
+    assert joining([dataclasses.replace(late, epoch=5, state_hash="aa")], mine, now) == []  # holds it: counted so
+    # once it holds the state: are its holders in a sync now (matchmaking or all-reduce)?
+    syncing = dataclasses.replace(record("x", 5, "aa", 100, status="syncing", next_sync_at=now - 1), busy_until=now + 5)
+    assert [r.peer_id for r in syncing_now([syncing], mine, now)] == ["x"]
+    assert syncing_now([dataclasses.replace(syncing, busy_until=now - 1)], mine, now) == []  # that sync is over
+    assert syncing_now([record("y", 5, "aa", 100, next_sync_at=now + 3)], mine, now) == []  # training
+    assert syncing_now([dataclasses.replace(syncing, state_hash="bb")], mine, now) == []  # another state
