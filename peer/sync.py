@@ -246,12 +246,17 @@ class Synchronizer:
         silent = [pid for pid, r in self.records.items() if not responsive(r, get_dht_time())]
         reach_out(self.dht, silent + list(self.initial_peer_ids))  # a healed partition reconnects at once
         result.rebased = self.catch_up(timeout=max(budget / 3, 5.0))
-        if result.rebased and not self.holders_syncing():
-            # The peers holding the state we just adopted are training towards their next sync: keep training on
-            # top of their state and contribute then (our next round lines up with it). If they are syncing now,
-            # they may be waiting for us (our record said we were downloading their state): join them.
-            result.error = "caught up with the swarm; contributing at its next sync"
-            return result
+        recovered = 0
+        if result.rebased:
+            if not self.holders_syncing():
+                # The peers holding the state we just adopted are training towards their next sync: keep training
+                # on top of their state and contribute then (our next round lines up with it). If they are syncing
+                # now, they may be waiting for us (our record said we were downloading their state): join them.
+                result.error = "caught up with the swarm; contributing at its next sync"
+                return result
+            # deltas carried from a fork we just left go out in this sync (``_own_delta``): so do their tokens
+            recovered = self.take_recovered_tokens()
+            tokens += recovered
         while result.attempts <= self.config.retries and time.monotonic() < deadline:
             result.attempts += 1
             align = bool(self.moment is not None and (self.state.epoch + 1) % self.run.align_every == 0)
@@ -315,6 +320,8 @@ class Synchronizer:
             self.deadlines.observe(outcome.get("seconds", 0.0), size=1 + align)
             self._apply(outcome, result)
             break
+        if not result.applied:
+            self.recovered_tokens += recovered  # still carried: sent, with its tokens, at our next sync
         return result
 
     def producers(self) -> List[str]:
