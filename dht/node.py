@@ -7,6 +7,7 @@ import atexit
 import ctypes
 import dataclasses
 import functools
+import logging
 import os
 import shutil
 import signal
@@ -25,6 +26,8 @@ from dht.addresses import parse_maddrs
 from dht.cli import opt, require_positive
 from dht.errors import UserError, first_line
 from dht.validation import adopt_identity, signer
+
+logger = logging.getLogger(__name__)
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 EMPTY_TABLE = "failed to find any peer in table"  # p2pd's answer to a lookup before its routing table has a peer
@@ -215,9 +218,16 @@ def visible_maddrs(dht: hivemind.DHT) -> list:
 
 
 async def _ping_peers(peer_ids: Tuple[str, ...], _dht, node) -> int:
-    pings = [node.protocol.call_ping(PeerID.from_base58(peer_id)) for peer_id in peer_ids]
-    answers = await asyncio.gather(*pings, return_exceptions=True)
-    return sum(1 for answer in answers if answer is not None and not isinstance(answer, BaseException))
+    peers = [PeerID.from_base58(peer_id) for peer_id in peer_ids]
+    answers = await asyncio.gather(*map(node.protocol.call_ping, peers), return_exceptions=True)
+    answered = [answer is not None and not isinstance(answer, BaseException) for answer in answers]
+    for peer, ok in zip(peers, answered):
+        if not ok:  # drop the connection: after a partition heals, its TCP retransmission backoff held the next
+            try:    # pings for seconds past the heal; a fresh dial goes through at once
+                await node.protocol.p2p._client.disconnect(peer)
+            except Exception as e:  # not connected at all
+                logger.debug(f"disconnect from {peer} failed: {e!r}")
+    return sum(answered)
 
 
 def reach_out(dht: hivemind.DHT, peer_ids: Iterable[str]):

@@ -18,11 +18,12 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import hivemind
 from hivemind.utils import get_dht_time
 
+from dht.node import reach_out
 from dht.validation import record_subkey, subkey_peer_id
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,10 @@ class RecordPublisher:
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.thread: Optional[threading.Thread] = None
+        # peers gone silent (cut off, frozen or dead), pinged at every heartbeat: one that answers is news (a
+        # healed partition), and ``answered`` says so at once instead of at our next sync
+        self.reach: Tuple[str, ...] = ()
+        self.answered = threading.Event()
 
     def publish(self, record: PeerRecord, ttl: float) -> bool:
         with self.lock:
@@ -112,9 +117,15 @@ class RecordPublisher:
             try:
                 with self.lock:
                     self._store()
+                if self.reach:
+                    reach_out(self.dht, self.reach).add_done_callback(self._pinged)
             except Exception as e:  # the DHT is shutting down under us: our peer is leaving
                 logger.debug(f"record heartbeat stopped: {e!r}")
                 return
+
+    def _pinged(self, future) -> None:
+        if not future.cancelled() and future.exception() is None and future.result():
+            self.answered.set()
 
 
 def fetch_records(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = None) -> Optional[Dict[str, PeerRecord]]:

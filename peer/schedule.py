@@ -64,10 +64,14 @@ class RoundClock:
         return steps_done > 0 and self.deadline is not None and time.monotonic() >= self.deadline
 
     def watch(self) -> None:
-        """Called between inner steps: an unaligned peer looks for the swarm's schedule and catches up."""
-        if self.aligned or self.sync_in_flight() or time.monotonic() - self._last_watch < WATCH_INTERVAL:
+        """Called between inner steps: an unaligned peer looks for the swarm's schedule and catches up; so does an
+        aligned one once a peer gone silent answers a ping (a healed partition: the other side's state may win)."""
+        news = self.synchronizer.publisher.answered
+        if (self.aligned and not news.is_set()) or self.sync_in_flight() or \
+                time.monotonic() - self._last_watch < WATCH_INTERVAL:
             return
         self._last_watch = time.monotonic()
+        news.clear()
         if self.synchronizer.catch_up(timeout=60.0):
             self.rebased = True
             if self.synchronizer.holders_syncing():
@@ -76,6 +80,8 @@ class RoundClock:
                 self.aligned = True
                 self._set_deadline(get_dht_time(), get_dht_time())
                 return
+        elif self.aligned:  # our state still wins: our group's plan stands
+            return
         now = get_dht_time()
         records, mine = self.synchronizer.records.values(), self.synchronizer.my_record()
         others = [r for r in peers_with_state(records, mine) if r.next_sync_at and r.next_sync_at > now]

@@ -245,6 +245,7 @@ class Synchronizer:
         self.announce(self.announced["ttl"], **syncing)  # silent until then, yet alive
         silent = [pid for pid, r in self.records.items() if not responsive(r, get_dht_time())]
         reach_out(self.dht, silent + list(self.initial_peer_ids))  # a healed partition reconnects at once
+        self.publisher.reach = tuple(silent)  # and is noticed mid-round (``RoundClock.watch``)
         result.rebased = self.catch_up(timeout=max(budget / 3, 5.0))
         recovered = 0
         if result.rebased:

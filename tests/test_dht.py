@@ -100,6 +100,10 @@ def test_reaching_out_puts_a_forgotten_peer_back_into_the_routing_table(two_node
     assert reach_out(first, [other]).result(timeout=10) == 1
     assert wait_until(lambda: first.run_coroutine(functools.partial(_knows, other)), 10, "the peer to be known again")
     assert reach_out(first, []) is None
+    # a peer that does not answer (gone, or cut off: then its connection is dropped so that the next ping dials
+    # afresh) counts as no answer, not an error
+    nobody = PeerID.from_base58("QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN").to_base58()
+    assert reach_out(first, [other, nobody]).result(timeout=30) == 1
 
 
 def test_port_in_use_is_a_user_error():
