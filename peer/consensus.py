@@ -4,8 +4,8 @@
   without a word, is not waited for;
 - fork choice: the state with the most tokens merged wins, then the lowest hash (DESIGN.md step 7);
   every peer that reads the same records picks the same winner;
-- the expected group: live peers that hold our exact state, so the matchmaking leader can close the
-  group as soon as they have all joined instead of waiting out the grace window;
+- the expected group: live peers that hold our exact state or are downloading it, so the matchmaking
+  leader can close the group as soon as they have all joined instead of waiting out the grace window;
 - the round target: when the peers holding our state plan to sync, so rounds end together and a
   joiner lines its first round up with the others';
 - the majority rule: when matchmaking splits the peers at one state into two groups, only a group
