@@ -26,6 +26,7 @@ HEARTBEAT_MISSES = 3  # heartbeats a record may miss (a slow DHT store, say) bef
 CLOCK_SLACK = 2.0  # seconds of clock difference between two peers' DHT times that we tolerate
 MAX_MISSED = 3  # rounds in a row stuck at one state before a peer applies without a majority (alone, at quorum 1)
 LEAVING = "leaving"  # a record status: the peer is about to leave and only serves its state meanwhile
+SYNCING = "syncing"  # a record status: the peer is in a sync (matchmaking or all-reduce) until its busy_until
 
 
 def responsive(record: PeerRecord, now: float) -> bool:
@@ -92,7 +93,7 @@ def syncing_now(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[f
     of its own would end after their group closed, the state it holds already being averaged onward."""
     now = get_dht_time() if now is None else now
     return [r for r in peers_with_state(records, mine, now)
-            if r.status == "syncing" and r.busy_until is not None and r.busy_until > now]
+            if r.status == SYNCING and r.busy_until is not None and r.busy_until > now]
 
 
 def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None,

@@ -38,6 +38,7 @@ from peer.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
 from peer.consensus import (
     MAX_MISSED,
+    SYNCING,
     awaiting_state,
     choose_state,
     joining,
@@ -241,7 +242,7 @@ class Synchronizer:
 
     def _sync(self, tokens: int, budget: float, missed_rounds: int) -> SyncResult:
         result, deadline = SyncResult(), time.monotonic() + budget
-        syncing = dict(self.fields(), status="syncing", busy_until=get_dht_time() + budget)
+        syncing = dict(self.fields(), status=SYNCING, busy_until=get_dht_time() + budget)
         self.announce(self.announced["ttl"], **syncing)  # silent until then, yet alive
         silent = [pid for pid, r in self.records.items() if not responsive(r, get_dht_time())]
         reach_out(self.dht, silent + list(self.initial_peer_ids))  # a healed partition reconnects at once
