@@ -47,9 +47,9 @@ def test_three_peers_agree_learn_and_admit_a_joiner(swarm):
     assert {r["state_hash"] for r in table[first["epoch"]].values()} == {first["state_hash"]}
     later = [epoch for epoch in table if first["epoch"] <= epoch <= joined[-1]["epoch"]]
     assert len(later) >= 3
-    for epoch in later:
-        for other in table[epoch].values():
-            assert first["peer_id"] in other["group"], f"joiner missing from a group at epoch {epoch}"
+    for epoch in later:  # a member whose all-reduce failed after the others merged its delta adopts their state,
+        groups = [r["group"] for r in table[epoch].values() if r["group"]]  # and its record names no group
+        assert groups and all(first["peer_id"] in group for group in groups), f"joiner missing from a group at {epoch}"
 
 
 def test_lone_peer_learns_and_resumes_from_checkpoint(swarm, tmp_path):
