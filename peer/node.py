@@ -278,7 +278,7 @@ class Peer:
         self.pending_tokens += self.synchronizer.take_recovered_tokens()
         step_seconds = self.clock.step_seconds or stats.compute_seconds / stats.steps
         job = InFlight(stats, self.pending_tokens, self.pending_rounds)
-        budget = self.synchronizer.round_budget()
+        budget = job.budget = self.synchronizer.round_budget()
 
         def sync() -> SyncResult:
             if self.node.overlap:  # the next round's plan first: this sync shares it with the group
@@ -329,7 +329,7 @@ class Peer:
         traffic = self._round_traffic()
         self.last_bytes_sent = traffic[0] or self.last_bytes_sent
         record = self._metrics(job.stats, result, sync_seconds, stale, eval_loss, traffic)
-        record.update(overlap=self.node.overlap, sync_wall_seconds=job.finished - job.started)
+        record.update(overlap=self.node.overlap, sync_wall_seconds=job.finished - job.started, sync_deadline=job.budget)
         if self.island is not None:
             record.update(island_ranks=self.island.size, island_tokens=job.stats.rank_tokens,
                           island_hashes=island_hashes)
@@ -471,6 +471,7 @@ class InFlight:
     def __init__(self, stats, tokens: int, rounds: int):
         self.stats, self.tokens, self.rounds = stats, tokens, rounds
         self.started = self.finished = time.monotonic()
+        self.budget = 0.0  # the longest the sync may block, retries included (``Synchronizer.round_budget``)
         self.done = threading.Event()
         self.result: Optional[SyncResult] = None
         self.error: Optional[BaseException] = None

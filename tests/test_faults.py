@@ -20,8 +20,10 @@ from tests.swarm import PeerProc, Swarm, assert_groups_agree, assert_loss_fell, 
 pytestmark = pytest.mark.slow
 
 PHASES = ("inner", "matchmaking", "send", "reduce", "checkpoint", "donor")
-# one attempt: the all-reduce deadline ceiling (--allreduce-timeout 10), the grace window (2 s), and slack
-DEADLINE = 10 + 2 + 5
+# one attempt at a group: the all-reduce deadline ceiling (--allreduce-timeout 10), the grace window (2 s), slack
+ATTEMPT = 10 + 2 + 5
+# past its deadline (``sync_deadline``), a sync only applies the outer step and writes its record
+AFTER_DEADLINE = 3
 
 
 @pytest.fixture
@@ -72,8 +74,11 @@ def assert_invariants(survivors: List[PeerProc], everyone: List[PeerProc], min_r
         hashes = {name: r["state_hash"] for name, r in table[epoch].items()}
         assert len(set(hashes.values())) == 1, f"survivors disagree at epoch {epoch}: {hashes}"
     for peer in survivors:
-        slow = [(r["epoch"], round(r["sync_seconds"], 1)) for r in peer.metrics if r["sync_seconds"] >= DEADLINE]
-        assert not slow, f"{peer.name} was blocked past its {DEADLINE}s deadline: {slow}"
+        # a sync may retry with the survivors (the product's --retries): each attempt is bounded, and so is the whole
+        slow = [(r["epoch"], round(r["sync_wall_seconds"], 1), r["attempts"], round(r["sync_deadline"], 1))
+                for r in peer.metrics if r["sync_wall_seconds"] > min(max(1, r["attempts"]) * ATTEMPT,
+                                                                       r["sync_deadline"] + AFTER_DEADLINE)]
+        assert not slow, f"{peer.name} was blocked past its deadline (epoch, seconds, attempts, deadline): {slow}"
     assert_loss_fell(survivors)
 
 
