@@ -103,6 +103,9 @@ class NodeConfig:
     run_key: Optional[str] = opt(None, "join only the run whose creator has this public key (its `run key:` "
                                        "line); without it, the manifest most live peers train with")
     checkpoint_dir: Optional[str] = opt(None, "write a checkpoint here every round and resume from it")
+    checkpoint_every: float = opt(600.0, "also checkpoint mid-round once this many seconds passed since the last "
+                                         "checkpoint, so that a crash loses at most that much of a round's work "
+                                         "(0 = at round ends only; with --overlap, always at round ends only)")
     metrics_file: Optional[str] = opt(None, "append one JSON line per round to this file")
     max_rounds: int = opt(0, "stop after this many rounds (0 = run until stopped)")
     device: str = opt("auto", "cpu, cuda, cuda:N, or auto (cuda if available)")
@@ -127,7 +130,7 @@ class NodeConfig:
     def __post_init__(self):
         if not self.run_id or any(c in self.run_id for c in ". /"):
             raise ValueError(f"run_id must be non-empty without '.', '/' or spaces, got {self.run_id!r}")
-        require_non_negative(self, "max_rounds", "micro_batch", "threads", "min_step_seconds")
+        require_non_negative(self, "max_rounds", "micro_batch", "threads", "min_step_seconds", "checkpoint_every")
         if self.byzantine is not None and self.byzantine != "nan" and not re.fullmatch(r"scale:[-+0-9.eE]+",
                                                                                         self.byzantine):
             raise ValueError(f"byzantine must be 'nan' or 'scale:FACTOR', got {self.byzantine!r}")

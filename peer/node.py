@@ -64,6 +64,7 @@ class Peer:
         self.last_loss: Optional[float] = None
         self.last_round_seconds: Optional[float] = None
         self.manifest_published_at = 0.0
+        self.checkpointed_at = time.monotonic()
         self.traffic_seen = (0, 0)  # transport bytes counted up to the end of the last round
         # what the last round that averaged sent: in our record, for `peer status` (a round that found no group
         # sends nothing, and says nothing about what a round costs on the wire)
@@ -191,9 +192,12 @@ class Peer:
         self.pending_tokens, self.pending_rounds = int(payload["pending_tokens"]), int(payload["pending_rounds"])
         self.rounds, self.last_loss = int(payload["rounds"]), payload.get("last_loss")
         eval_loss = self.trainer.evaluate(self.eval_batches)  # the level we resume at, on the held-out split
+        partial = int(payload.get("round_steps", 0))
         self.reporter.info(f"resumed from {self.node.checkpoint_dir}: epoch {self.state.epoch}, "
                            f"loss {self.last_loss if self.last_loss is None else round(self.last_loss, 3)}, "
-                           f"held-out eval {eval_loss:.6f}")
+                           f"held-out eval {eval_loss:.6f}"
+                           + (f", {partial} steps into a round ({self.pending_tokens} tokens of work unmerged)"
+                              if partial else ""))
         return int(payload["data_position"])
 
     def _announce(self, num_params: int, device: torch.device) -> None:
@@ -243,6 +247,8 @@ class Peer:
                 elapsed = time.monotonic() - round_start
                 self.reporter.step(step, loss, step * run.batch_size * run.seq_len / max(elapsed, 1e-9))
                 clock.watch()
+                if inflight is None and self._checkpoint_due():  # the round so far, should this process die
+                    self._checkpoint(round_tokens=step * run.batch_size * run.seq_len, round_steps=step)
                 if self.fault_plan and step == max(1, min(steps, run.inner_steps) // 2):
                     self.fault_plan.fire("inner", epoch_at_start)
 
@@ -396,9 +402,19 @@ class Peer:
             publish_manifest(self.dht, self.manifest)
             self.manifest_published_at = time.monotonic()
 
-    def _checkpoint(self) -> None:
+    def _checkpoint_due(self) -> bool:
+        """Mid-round checkpoints: not with overlap (the sync in flight changes the state under the round), nor
+        on an island (rank 0 would save its ranks' tokens without them)."""
+        every = self.node.checkpoint_every
+        return bool(self.node.checkpoint_dir and every and not self.node.overlap and self.island is None
+                    and time.monotonic() - self.checkpointed_at >= every)
+
+    def _checkpoint(self, round_tokens: int = 0, round_steps: int = 0) -> None:
+        """Save everything a restart resumes from. Mid-round, ``round_tokens`` trained in ``round_steps`` steps
+        of the round in progress: they are in theta, and count in the contribution that the restart sends."""
         if not self.node.checkpoint_dir:
             return
+        self.checkpointed_at = time.monotonic()
         with self.lock:
             payload = dict(
                 manifest_settings=dict(self.manifest.settings), manifest_hash=self.manifest.hash,
@@ -407,12 +423,15 @@ class Peer:
                 momentum=self.state.momentum, epoch=self.state.epoch, tokens_total=self.state.tokens_total,
                 merged=dict(self.state.merged), theta=self.layout.gather(self.trainer.params, self.layout.empty()),
                 optimizer=self.trainer.optimizer.state_dict(), local_steps=self.trainer.local_steps,
-                data_position=self.stream.position, pending_tokens=self.pending_tokens,
-                pending_rounds=self.pending_rounds, rounds=self.rounds, last_loss=self.last_loss,
+                data_position=self.stream.position, pending_tokens=self.pending_tokens + round_tokens,
+                round_steps=round_steps, pending_rounds=self.pending_rounds, rounds=self.rounds,
+                last_loss=self.last_loss,
                 residual=self.feedback.residual, carried=self.synchronizer.carried,
                 recovered_tokens=self.synchronizer.recovered_tokens,
             )
-            strike = (lambda: self.fault_plan.fire("checkpoint", self.state.epoch)) if self.fault_plan else None
+            # fault plans strike the checkpoint at a round's end
+            strike = (lambda: self.fault_plan.fire("checkpoint", self.state.epoch)) if self.fault_plan and not \
+                round_steps else None
             save_checkpoint(self.node.checkpoint_dir, payload, before_rename=strike)
 
     def close(self) -> None:

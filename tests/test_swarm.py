@@ -75,6 +75,36 @@ def test_lone_peer_learns_and_resumes_from_checkpoint(swarm, tmp_path):
     assert after[0]["tokens_total"] == rounds[-1]["tokens_total"] + after[0]["tokens"]
 
 
+def test_a_peer_killed_mid_round_resumes_the_round_and_its_tokens_count(swarm, tmp_path):
+    """With --checkpoint-every, a peer SIGKILLed mid-round loses at most that much work: the restart resumes the
+    partial round (theta, AdamW state, data position) and its next outer step counts that round's tokens too."""
+    checkpoint = tmp_path / "ckpt"
+    flags = ("--checkpoint-dir", str(checkpoint), "--checkpoint-every", "1", "--inner-steps", "20",
+             "--min-step-seconds", "0.2")  # rounds of 4 s, checkpointed about every second
+
+    def early_in_a_round():
+        try:
+            saved = torch.load(checkpoint / "state.pt", weights_only=True)
+        except (OSError, RuntimeError, EOFError):
+            return None
+        return saved["epoch"] >= 1 and 0 < saved["round_steps"] <= 10  # the round's end is 2 s or more away
+
+    first = swarm.peer("crashing", *flags, join=False)
+    wait_until(early_in_a_round, 120, "a checkpoint early in a round")
+    first.signal(signal.SIGKILL)
+    assert first.wait(30) == -signal.SIGKILL
+    saved = torch.load(checkpoint / "state.pt", weights_only=True)
+    assert saved["round_steps"] > 0 and saved["pending_tokens"] == saved["round_steps"] * 4 * 64
+
+    resumed = swarm.peer("resumed", *flags, "--max-rounds", str(saved["rounds"] + 1), join=False)  # one more
+    assert resumed.wait(180) == 0, resumed.stderr[-2000:]
+    assert f"{saved['round_steps']} steps into a round" in resumed.stderr, resumed.stderr[-2000:]
+    record = resumed.metrics[0]
+    assert record["epoch"] == saved["epoch"] + 1
+    # the outer step merged the partial round's tokens with the round trained after the restart: nothing lost
+    assert record["tokens_total"] == saved["tokens_total"] + saved["pending_tokens"] + record["tokens"]
+
+
 def test_unmerged_work_past_max_staleness_is_dropped_for_the_global_state(swarm, tmp_path):
     """A peer whose work goes unmerged (here: alone below --quorum 2) for more than --max-staleness rounds
     drops it and trains from the global state again, instead of drifting ever further from it."""
