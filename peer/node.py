@@ -429,9 +429,8 @@ class Peer:
                 residual=self.feedback.residual, carried=self.synchronizer.carried,
                 recovered_tokens=self.synchronizer.recovered_tokens,
             )
-            # fault plans strike the checkpoint at a round's end
-            strike = (lambda: self.fault_plan.fire("checkpoint", self.state.epoch)) if self.fault_plan and not \
-                round_steps else None
+            at_round_end = self.fault_plan is not None and not round_steps  # where fault plans strike a checkpoint
+            strike = (lambda: self.fault_plan.fire("checkpoint", self.state.epoch)) if at_round_end else None
             save_checkpoint(self.node.checkpoint_dir, payload, before_rename=strike)
 
     def close(self) -> None:
