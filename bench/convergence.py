@@ -387,6 +387,10 @@ def setup(args) -> str:
 
     corpus = load_corpus("shakespeare", ByteTokenizer(), args.seq_len, RunConfig().eval_fraction)
     eval_tokens = min(len(corpus.held_out) // args.seq_len, args.eval_batches * args.batch_size) * args.seq_len
+    per_replica = args.tokens / args.replicas / len(corpus.train)  # of a pass, at the centre's M
+    passes = (f"each of the centre's replicas reads {per_replica:.0%} of a pass, in an order of its own"
+              + (", so it sees no window twice" if per_replica <= 1 else "") +
+              "; the replicas' orders are independent, so a window may reach two of them")
     return (f"Model `{MODEL}` (registered by this benchmark): Llama, hidden {preset.hidden}, {preset.layers} layers, "
             f"MLP {preset.intermediate}, byte vocabulary, {numel:,} parameters. Each replica steps on "
             f"{args.batch_size} x {args.seq_len} tokens; inner AdamW lr {args.lr:g}, {args.warmup_steps} warmup "
@@ -394,7 +398,7 @@ def setup(args) -> str:
             f"says otherwise), momentum 0.9; robust mean clip factor 4; alignment every {args.align_every} "
             f"rounds. Every cell: {args.tokens / 1e6:.2f}M tokens over all replicas "
             f"({args.tokens / len(corpus.train):.0%} of one pass over the {len(corpus.train) / 1e6:.2f}M training "
-            f"tokens, so no window is seen twice); held-out: the first {eval_tokens:,} tokens of the 2% tail of "
+            f"tokens, {passes}); held-out: the first {eval_tokens:,} tokens of the 2% tail of "
             f"every play. Seeds {', '.join(map(str, args.seeds))} (initial weights and data order; DiLoCo and "
             f"data-parallel with one seed see the same M streams).")
 
