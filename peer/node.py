@@ -139,11 +139,14 @@ class Peer:
         if payload is not None:  # deltas carried from a fork we left, not sent yet
             self.synchronizer.carried = payload.get("carried")
             self.synchronizer.recovered_tokens = int(payload.get("recovered_tokens", 0))
+            if self.pending_tokens:  # unmerged work, trained on G at this epoch: our group may have merged it since
+                self.synchronizer.resumed_epoch = self.state.epoch
         self.clock = RoundClock(run, self.synchronizer, lambda next_sync_at: self._publish(next_sync_at=next_sync_at))
         if self.node.overlap:
             self.synchronizer.planned_end = lambda: self.clock.target
         if self.synchronizer.catch_up(timeout=60.0):
             self.reporter.info(f"downloaded the swarm's state: epoch {self.state.epoch}, hash {self.state.hash()}")
+        self._drop_resumed_if_merged()
         self._publish()
         self._announce(count_parameters(model), device)
 
@@ -315,6 +318,7 @@ class Peer:
         self.clock.finish(job.stats.steps, job.stats.compute_seconds, result.next_round_seconds,
                           anchor=result.round_end if self.node.overlap else None)
         stale = job.rounds - 1
+        self._drop_resumed_if_merged()
         if result.applied:
             self.pending_tokens -= job.tokens
             self.pending_rounds -= job.rounds
@@ -401,6 +405,14 @@ class Peer:
         if time.monotonic() - self.manifest_published_at > MANIFEST_TTL / 4:
             publish_manifest(self.dht, self.manifest)
             self.manifest_published_at = time.monotonic()
+
+    def _drop_resumed_if_merged(self) -> None:
+        """The swarm's state holds the work we resumed from our checkpoint (we died after our group merged it,
+        before the round's checkpoint): it is not ours to send again (``Synchronizer.adopt``)."""
+        if self.synchronizer.take_dropped_resumed():
+            self.reporter.info(f"the swarm merged the work this peer resumed from its checkpoint before the peer "
+                               f"stopped (epoch {self.state.epoch}'s state holds it): not sent again")
+            self.pending_tokens = self.pending_rounds = 0
 
     def _checkpoint_due(self) -> bool:
         """Mid-round checkpoints: not with overlap (the sync in flight changes the state under the round), nor

@@ -101,6 +101,10 @@ class Synchronizer:
         self.contributions = Contributions(self.feedback.codec, run.max_staleness)
         self.recovered_tokens = 0  # tokens behind deltas carried over from a fork we left, not yet re-sent
         self.carried: Optional[torch.Tensor] = None  # those deltas, summed: sent with our next contribution
+        # a restart's unmerged work (from its checkpoint) was trained on G at this epoch; until it is sent or
+        # found merged. ``dropped_resumed``: the swarm had merged it already, so theta was reset to its state
+        self.resumed_epoch: Optional[int] = None
+        self.dropped_resumed = False
         self.lookup_failed = False  # the last look at the swarm's records timed out: what we know may be stale
         # rounds in a row we sat at this epoch without applying: what the escapes from waiting count (not the
         # unmerged rounds, which include rounds lost catching up; a peer that just adopted the swarm's state is
@@ -203,11 +207,18 @@ class Synchronizer:
         if state_hash(params, momentum, epoch) != claimed:
             return False
         mine_merged = merged.get(self.peer_id, -1)
+        resumed, self.resumed_epoch = self.resumed_epoch, None
         with self.lock:
             if attempted_epoch is not None and mine_merged == attempted_epoch:
                 self.merged_ours = True
                 self.feedback.commit(self._own_delta())  # what we sent, carried deltas included: merged
                 self.carried = None
+                self.local.set(params)
+            elif resumed is not None and mine_merged >= resumed:
+                # we restarted from a checkpoint written before our group merged this work (the process died in
+                # between, say while writing the round's checkpoint): sending it again would count it twice
+                self.dropped_resumed = True
+                self.carried, self.recovered_tokens = None, 0
                 self.local.set(params)
             else:
                 if self.contributions.unmerged(mine_merged):
@@ -249,6 +260,9 @@ class Synchronizer:
         self.publisher.reach = tuple(silent)  # and is noticed mid-round (``RoundClock.watch``)
         result.rebased = self.catch_up(timeout=max(budget / 3, 5.0))
         recovered = 0
+        if self.dropped_resumed:  # ``tokens`` counts the work we just found merged: contribute at the next sync
+            result.error = "the swarm had merged the work this peer resumed from its checkpoint; not sent again"
+            return result
         if result.rebased:
             if not self.holders_syncing():
                 # The peers holding the state we just adopted are training towards their next sync: keep training
@@ -337,6 +351,11 @@ class Synchronizer:
         own_delta = torch.sub(params, self.local.gather(self.layout.empty()))
         nesterov_step(params, momentum, own_delta, self.run.outer_lr, self.run.outer_momentum)
         return params
+
+    def take_dropped_resumed(self) -> bool:
+        """Did an adoption find the work we resumed from a checkpoint merged already (``adopt``)? Once."""
+        dropped, self.dropped_resumed = self.dropped_resumed, False
+        return dropped
 
     def take_recovered_tokens(self) -> int:
         """Tokens of our work carried over from a losing fork: the caller adds them to its next contribution."""
@@ -476,6 +495,7 @@ class Synchronizer:
             if outcome["aligned"]:
                 self.local.load_first_moments([view for _, view in self.layout.slices(self.moment)])
             self.state.merged = merge_contributors(self.state.merged, gathered, self.state.epoch)
+            self.resumed_epoch = None  # sent and merged, whatever a restart resumed with
             self.state.epoch += 1
             self.state.tokens_total += sum(int(info["tokens"]) for info in gathered.values())
             self.local.set(self.state.params)  # theta <- G (with overlap: plus the steps taken since)

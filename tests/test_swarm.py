@@ -105,6 +105,45 @@ def test_a_peer_killed_mid_round_resumes_the_round_and_its_tokens_count(swarm, t
     assert record["tokens_total"] == saved["tokens_total"] + saved["pending_tokens"] + record["tokens"]
 
 
+def contributed(records, index):
+    """Tokens behind the contribution of ``records[index]`` (applied): its round's and those of the unapplied
+    rounds since the peer's previous applied one."""
+    start = max((i for i in range(index) if records[i]["applied"]), default=-1) + 1
+    return sum(r["tokens"] for r in records[start:index + 1])
+
+
+def test_work_merged_before_a_peer_died_is_not_sent_again_by_its_restart(swarm, tmp_path):
+    """A peer dies after its group merged its round, while writing that round's checkpoint: its last checkpoint
+    is a mid-round one, holding that round's work as unmerged. The restart finds the swarm's state merged it
+    and drops its copy: the first outer step it joins adds exactly the tokens trained since."""
+    checkpoint = tmp_path / "victim"
+    flags = ("--inner-steps", "20", "--min-step-seconds", "0.2")  # rounds of 4 s: mid-round checkpoints each second
+    victim_flags = ("--checkpoint-dir", str(checkpoint), "--checkpoint-every", "1")
+    survivor = swarm.peer("survivor", *flags)
+    victim = swarm.peer("victim", *flags, *victim_flags, "--fault-plan", "kill@checkpoint:2")
+    wait_until(lambda: not victim.alive(), 180, "the kill while writing a round's checkpoint")
+    assert victim.popen.returncode == -signal.SIGKILL and victim.metrics[-1]["applied"], victim.stderr[-3000:]
+    saved = torch.load(checkpoint / "state.pt", weights_only=True)
+    assert saved["round_steps"] > 0 and saved["epoch"] == victim.metrics[-1]["epoch"] - 1
+
+    restarted = swarm.peer("restarted", *flags, *victim_flags)
+    wait_until(lambda: any(r["applied"] and r["group_size"] == 2 for r in restarted.metrics), 120,
+               "the restart to apply a round with the survivor")
+    assert "the swarm merged the work this peer resumed from its checkpoint" in restarted.stderr, \
+        restarted.stderr[-3000:]
+    for peer in (survivor, restarted):
+        peer.signal(signal.SIGTERM)
+    for peer in (survivor, restarted):
+        assert peer.wait(60) == 0, peer.stderr[-3000:]
+    after = restarted.metrics
+    index = next(i for i, r in enumerate(after) if r["applied"] and r["group_size"] == 2)
+    epoch = after[index]["epoch"]
+    mine = survivor.metrics
+    here = next(i for i, r in enumerate(mine) if r["epoch"] == epoch and r["applied"])
+    before = max(r["tokens_total"] for r in mine if r["epoch"] == epoch - 1)
+    assert after[index]["tokens_total"] - before == contributed(after, index) + contributed(mine, here)
+
+
 def test_unmerged_work_past_max_staleness_is_dropped_for_the_global_state(swarm, tmp_path):
     """A peer whose work goes unmerged (here: alone below --quorum 2) for more than --max-staleness rounds
     drops it and trains from the global state again, instead of drifting ever further from it."""
