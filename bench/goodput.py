@@ -23,7 +23,14 @@ the tokens of a killed peer's unfinished round (trained, never merged), a frozen
 the survivors' extra sync time (a lost member fails an all-reduce, which is retried without it), and a
 restarted or thawed peer's catch-up. Tokens trained per second (``tokens`` of the rounds that ended in
 the window) is the other side: merged/trained below 1 means work that was done and thrown away (or is
-still waiting to be merged at the window's end). Everything is computed from the metrics files.
+still waiting to be merged at the window's end); above 1, work merged that no record in the window counts
+(a killed peer's partial round, resumed from a mid-round checkpoint). Everything is computed from the metrics
+files.
+
+``tokens_total`` grows in steps, one per outer step (a round, ~1/10 of the window here), so the window's
+growth depends on where its edges fall between two steps: up to a round of tokens either way. The column
+"between merges" divides the growth from the window's first outer step to its last by the time between
+them, which has no such edge effect.
 """
 
 from __future__ import annotations
@@ -297,8 +304,13 @@ def summarize(records: List[List[dict]], start: float, end: float, faults: List[
     survivors = [r["sync_seconds"] for i, r in inside if survivor(r, i, faults, records[i])]
     last = [[r for r in rows if r["time"] <= end][-1] for rows in records if any(r["time"] <= end for r in rows)]
     losses = [r["loss"] for r in last if r["loss"] is not None]
+    # merge events in the window: the state at each tokens_total, first reported at this time
+    events = sorted({tokens: min(r["time"] for _, r in inside if r["tokens_total"] == tokens)
+                     for tokens in {r["tokens_total"] for _, r in inside}}.items())
+    between = ((events[-1][0] - events[0][0]) / (events[-1][1] - events[0][1])
+               if len(events) > 1 and events[-1][1] > events[0][1] else float("nan"))
     return dict(
-        seconds=seconds, faults=len(faults), goodput=merged / seconds, trained=trained / seconds,
+        seconds=seconds, faults=len(faults), goodput=merged / seconds, trained=trained / seconds, between=between,
         ratio=merged / trained if trained else float("nan"),
         rounds=max(r["epoch"] for r in until) - max(r["epoch"] for r in before),
         median_sync=statistics.median(r["sync_seconds"] for _, r in inside) if inside else float("nan"),
@@ -347,16 +359,18 @@ def run_schedule(system: str, schedule: str, args, root: Path) -> dict:
 
 def table(results: List[dict]) -> str:
     lines = ["| system | schedule | faults | restarts | goodput tok/s | vs its no-fault run | vs swarm, no faults "
-             "| merged/trained | rounds | median sync s | worst survivor sync s | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| between merges tok/s | vs its no-fault run | merged/trained | rounds | median sync s "
+             "| worst survivor sync s | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     swarm_base = next((r["goodput"] for r in results if (r["system"], r["schedule"]) == ("swarm", "none")),
                       float("nan"))
     for r in results:
-        base = next((b["goodput"] for b in results if (b["system"], b["schedule"]) == (r["system"], "none")),
-                    float("nan"))
+        base = next((b for b in results if (b["system"], b["schedule"]) == (r["system"], "none")),
+                    dict(goodput=float("nan"), between=float("nan")))
         swarm = r["system"] == "swarm"
         lines.append(f"| {r['system']} | {r['schedule']} | {r['faults']} | {r['restarts']} | {r['goodput']:,.0f} | "
-                     f"{r['goodput'] / base:.0%} | {r['goodput'] / swarm_base:.0%} | "
+                     f"{r['goodput'] / base['goodput']:.0%} | {r['goodput'] / swarm_base:.0%} | "
+                     f"{r['between']:,.0f} | {r['between'] / base['between']:.0%} | "
                      f"{r['ratio']:.2f} | {r['rounds']} | " +
                      (f"{r['median_sync']:.2f} | {r['worst_sync']:.1f}" if swarm else "- | -") +
                      f" | {r['loss']:.3f} |")
