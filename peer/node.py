@@ -247,11 +247,11 @@ class Peer:
             self.reporter.start_round(self.state.epoch, steps if steps < 10**9 else 0)
 
             def on_step(step: int, loss: float, lr: float) -> None:
-                elapsed = time.monotonic() - round_start
-                self.reporter.step(step, loss, step * run.batch_size * run.seq_len / max(elapsed, 1e-9))
+                elapsed, tokens = time.monotonic() - round_start, step * run.batch_size * run.seq_len
+                self.reporter.step(step, loss, tokens / max(elapsed, 1e-9))
                 clock.watch()
                 if inflight is None and self._checkpoint_due():  # the round so far, should this process die
-                    self._checkpoint(round_tokens=step * run.batch_size * run.seq_len, round_steps=step)
+                    self._checkpoint(round_tokens=tokens, round_steps=step)
                 if self.fault_plan and step == max(1, min(steps, run.inner_steps) // 2):
                     self.fault_plan.fire("inner", epoch_at_start)
 
