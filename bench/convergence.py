@@ -14,7 +14,7 @@ the same model on the same M data streams, the gradients averaged every step, fo
 optimizer steps. Reported per cell: held-out eval loss (mean over seeds), its gap to data-parallel,
 encoded bytes sent per replica, and data-parallel's bytes (the fp32 gradient every step) over those.
 
-The model is a 0.16M-parameter Llama (hidden 64, 2 layers, byte vocabulary), registered here as the
+The model is a 0.16M-parameter Llama (hidden 64, 2 layers, byte vocabulary), the product's
 preset ``micro``: a CPU sweep of 36 runs fits in about an hour of one core only at this size.
 
 ``--multi-peer`` is the check that the simulation measures the product: a bootstrap ``python -m dht`` and
@@ -43,11 +43,9 @@ import torch
 from bench.simulation import SimulationResult, data_parallel, round_steps, simulate
 from compression import get_codec
 from peer.config import RunConfig, SyncConfig
-from peer.model import PRESETS, Preset, build_model, count_parameters
+from peer.model import PRESETS, build_model, count_parameters
 
 MODEL = "micro"
-PRESETS.setdefault(MODEL, Preset(hidden=64, layers=2, heads=4, kv_heads=4, intermediate=256, tokenizer="bytes",
-                                 seq_len=64, batch_size=8, lr=6e-3, warmup_steps=50, inner_steps=100))
 AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "averaging", "warm-start")
 SLOWDOWN = 3.0  # the slow replica's seconds per inner step, relative to the others
 QUICK = dict(tokens=80_000, replicas=2, inner_steps=10, seeds=[0], axes=["codec", "alignment", "feedback"],
@@ -391,7 +389,7 @@ def setup(args) -> str:
     passes = (f"each of the centre's replicas reads {per_replica:.0%} of a pass, in an order of its own"
               + (", so it sees no window twice" if per_replica <= 1 else "") +
               "; the replicas' orders are independent, so a window may reach two of them")
-    return (f"Model `{MODEL}` (registered by this benchmark): Llama, hidden {preset.hidden}, {preset.layers} layers, "
+    return (f"Model `{MODEL}`: Llama, hidden {preset.hidden}, {preset.layers} layers, "
             f"MLP {preset.intermediate}, byte vocabulary, {numel:,} parameters. Each replica steps on "
             f"{args.batch_size} x {args.seq_len} tokens; inner AdamW lr {args.lr:g}, {args.warmup_steps} warmup "
             f"steps, cosine to 10% over the run, clip 1.0, weight decay 0.1. Outer Nesterov lr 0.7 (unless the cell "

@@ -27,6 +27,8 @@ class Preset:
 
 
 PRESETS = {
+    # ~0.16M parameters: smoke runs and the test suite's swarms (a step takes milliseconds on one CPU core)
+    "micro": Preset(64, 2, 4, 4, 256, "bytes", 64, 8, 6e-3, 50, 100),
     # ~3.2M parameters: the embedded default, a round of 50 steps takes ~20 s on two CPU cores
     "tiny": Preset(256, 4, 4, 4, 688, "bytes", 256, 8, 1e-3, 50, 50),
     # ~10.7M parameters: CPU benchmarks that need more compute per byte sent
