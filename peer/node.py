@@ -411,7 +411,9 @@ class Peer:
         before the round's checkpoint): it is not ours to send again (``Synchronizer.adopt``)."""
         if self.synchronizer.take_dropped_resumed():
             self.reporter.info(f"the swarm merged the work this peer resumed from its checkpoint before the peer "
-                               f"stopped (epoch {self.state.epoch}'s state holds it): not sent again")
+                               f"stopped (epoch {self.state.epoch}'s state holds it): not sent again; dropping its "
+                               f"{self.pending_tokens:,} tokens of unmerged work (that round's, and any trained on "
+                               f"it since)")
             self.pending_tokens = self.pending_rounds = 0
 
     def _checkpoint_due(self) -> bool:
