@@ -59,7 +59,7 @@ def test_conflicting_model_is_refused(tmp_path):
         creator.wait_rounds(1, timeout=180)
         result = run_cli(*peer_command("--initial-peers", swarm.maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
                                        "--model", "small"))
-        assert_one_line_error(result, "--model small conflicts with run 'diloco'", "model=tiny", "drop the flag")
+        assert_one_line_error(result, "--model small conflicts with run 'diloco'", "model=micro", "drop the flag")
     finally:
         swarm.close()
 

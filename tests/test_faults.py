@@ -8,6 +8,7 @@ killed victim resumes from its checkpoint; a frozen or slowed one rejoins the gr
 from __future__ import annotations
 
 import signal
+import threading
 from pathlib import Path
 from typing import List
 
@@ -123,41 +124,68 @@ def test_freeze_slow_or_partition_at_every_phase(request, tmp_path, kind, second
     assert_invariants(survivors, everyone, min_rounds=8)
 
 
-def test_kill_at_every_phase_and_resume(swarm, tmp_path):
-    """A victim SIGKILLed at each phase in turn, restarted from its checkpoint dir after each death."""
-    checkpoint = tmp_path / "victim"
-    survivors = [swarm.peer(f"p{i}") for i in range(2)]
-    incarnations: List[PeerProc] = []
-    everyone = list(survivors)
-    for index, phase in enumerate(PHASES):
-        epoch = 3 if index == 0 else 0  # the first run checkpoints a few rounds before it dies
-        victim = swarm.peer(f"victim{index}", "--fault-plan", f"kill@{phase}:{epoch}",
-                            "--checkpoint-dir", str(checkpoint))
-        incarnations.append(victim)
-        everyone.append(victim)
-        if index:
-            saved = torch.load(checkpoint / "state.pt", weights_only=True)
-            wait_until(lambda: "resumed from" in victim.stderr or not victim.alive(), 60, "the restart to resume")
-            assert f"resumed from {checkpoint}: epoch {saved['epoch']}," in victim.stderr, victim.stderr[-3000:]
-            assert not list(Path(checkpoint).glob("state.pt.tmp.*")), "an interrupted write was left behind"
-        if phase == "donor":
-            wait_until(lambda: applied_after(victim, 1), 120, "the victim to hold the swarm's state")
-            joiner = join_until(swarm, lambda: not victim.alive(), "joiner")
-            everyone.append(joiner)
-            wait_until(lambda: applied_after(joiner, 1), 120, "the joiner to download the state and apply a round")
-        wait_until(lambda: not victim.alive(), 240, f"the kill at {phase}")
-        assert victim.popen.returncode == -signal.SIGKILL and struck(victim, "kill", phase), victim.stderr[-3000:]
+# two victims side by side, each killed at three phases in turn: half the wall-clock of one victim at six
+LINEAGES = (PHASES[:3], PHASES[3:])
 
-    final = swarm.peer("victim-final", "--checkpoint-dir", str(checkpoint))
-    everyone.append(final)
+
+def kill_lineage(swarm: Swarm, checkpoint: Path, phases, name: str, incarnations: List[PeerProc],
+                 others: List[PeerProc]) -> None:
+    """One victim SIGKILLed at each of ``phases`` in turn, restarted from ``checkpoint`` after each death, then
+    once more to rejoin the groups. It first trains two rounds and stops (SIGTERM), so that every incarnation
+    with a fault plan starts from a checkpoint and dies at the first time it reaches its phase."""
+    first = swarm.peer(f"{name}.start", "--checkpoint-dir", str(checkpoint))
+    others.append(first)
+    wait_until(lambda: applied_after(first, 2), 120, f"{first.name} to apply two rounds")
+    first.signal(signal.SIGTERM)
+    assert first.wait(60) == 0, first.stderr[-3000:]
+    for index, phase in enumerate(phases):
+        saved = torch.load(checkpoint / "state.pt", weights_only=True)
+        victim = swarm.peer(f"{name}.{index}", "--fault-plan", f"kill@{phase}:0", "--checkpoint-dir", str(checkpoint))
+        incarnations.append(victim)
+        wait_until(lambda: "resumed from" in victim.stderr or not victim.alive(), 60, f"{victim.name} to resume")
+        assert f"resumed from {checkpoint}: epoch {saved['epoch']}," in victim.stderr, victim.stderr[-3000:]
+        assert not list(checkpoint.glob("state.pt.tmp.*")), "an interrupted write was left behind"
+        if phase == "donor":
+            wait_until(lambda: applied_after(victim, 1), 120, f"{victim.name} to hold the swarm's state")
+            joiner = join_until(swarm, lambda: not victim.alive(), f"{name}.joiner")
+            others.append(joiner)
+            wait_until(lambda: applied_after(joiner, 1), 120, "the joiner to download the state and apply a round")
+        wait_until(lambda: not victim.alive(), 240, f"the kill of {victim.name} at {phase}")
+        assert victim.popen.returncode == -signal.SIGKILL and struck(victim, "kill", phase), victim.stderr[-3000:]
+    final = swarm.peer(f"{name}.final", "--checkpoint-dir", str(checkpoint))
+    others.append(final)
     wait_until(lambda: any(r["applied"] and r["group_size"] >= 3 for r in final.metrics), 120,
-               "the restarted victim to rejoin the groups")
-    ids = {r["peer_id"] for peer in incarnations + [final] for r in peer.metrics}
-    assert len(ids) == 1, "a restart from the checkpoint dir keeps the peer id"
+               f"{final.name} to rejoin the groups")
+    ids = {r["peer_id"] for peer in [first, *incarnations, final] for r in peer.metrics}
+    assert len(ids) == 1, f"{name}: a restart from the checkpoint dir keeps the peer id"
+
+
+def test_kill_at_every_phase_and_resume(swarm, tmp_path):
+    """Two victims, side by side, SIGKILLed at three phases each and restarted from their checkpoint dirs after
+    each death: every phase is struck once."""
+    survivors = [swarm.peer(f"p{i}") for i in range(2)]
+    incarnations: List[List[PeerProc]] = [[] for _ in LINEAGES]
+    others: List[PeerProc] = []
+    errors: List[BaseException] = []
+
+    def lineage(index: int) -> None:
+        try:
+            kill_lineage(swarm, tmp_path / f"victim{index}", LINEAGES[index], f"victim{index}",
+                         incarnations[index], others)
+        except BaseException as e:  # re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=lineage, args=(i,)) for i in range(len(LINEAGES))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    everyone = survivors + [p for ps in incarnations for p in ps] + others
     stop_after(survivors, everyone, min_rounds=8)
-    for peer in everyone:
-        if peer not in incarnations:
-            assert peer.wait(60) == 0, peer.stderr[-3000:]
+    for peer in survivors + others:
+        assert peer.wait(60) == 0, peer.stderr[-3000:]
     assert_invariants(survivors, everyone, min_rounds=8)
 
 

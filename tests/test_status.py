@@ -62,7 +62,7 @@ def test_status_lists_every_live_peer_with_agreeing_epochs_and_hashes(live, tmp_
     finally:
         watcher.kill_group()
     data = json.loads(line)
-    assert data["manifest"]["settings"]["model"] == "tiny" and data["run_id"] == "diloco"
+    assert data["manifest"]["settings"]["model"] == "micro" and data["run_id"] == "diloco"
     for row in data["peers"]:
         assert row["status"] in ("training", "syncing") and row["tokens_per_second"] > 0
         assert row["last_seen_seconds"] < 60 and row["client_mode"] is False and row["bytes_per_round"] > 0
@@ -71,7 +71,7 @@ def test_status_lists_every_live_peer_with_agreeing_epochs_and_hashes(live, tmp_
     assert table.returncode == 0, table.stderr
     for peer_id in ids:
         assert peer_id[-10:] in table.stdout, table.stdout
-    assert "run 'diloco': 3 live peers" in table.stdout and "tiny" in table.stdout, table.stdout
+    assert "run 'diloco': 3 live peers" in table.stdout and "micro" in table.stdout, table.stdout
 
 
 def test_status_of_an_empty_swarm_says_so_in_one_line(live):
