@@ -160,6 +160,7 @@ def kill_lineage(swarm: Swarm, checkpoint: Path, phases, name: str, incarnations
     assert len(ids) == 1, f"{name}: a restart from the checkpoint dir keeps the peer id"
 
 
+@pytest.mark.timeout(480)  # the suite's longest test: 176 s in a CI rehearsal beside another worker (300 s default)
 def test_kill_at_every_phase_and_resume(swarm, tmp_path):
     """Two victims, side by side, SIGKILLed at three phases each and restarted from their checkpoint dirs after
     each death: every phase is struck once."""
