@@ -59,6 +59,8 @@ from peer.outer import GlobalState, merge_contributors, nesterov_step, state_has
 logger = logging.getLogger(__name__)
 
 NO_GROUP = "could not find a group"
+# a round whose sync found the work this peer resumed already merged: that round's work is dropped with it
+RESUMED_MERGED = "the swarm had merged the work this peer resumed from its checkpoint; not sent again"
 SETTLE_SECONDS, SETTLE_POLL = 2.0, 0.25  # how long a failed member looks for its group's finished state
 LOOKUP_TIMEOUT = 2.0  # seconds a look at the swarm's records may block training (a partition slows the DHT)
 
@@ -261,7 +263,7 @@ class Synchronizer:
         result.rebased = self.catch_up(timeout=max(budget / 3, 5.0))
         recovered = 0
         if self.dropped_resumed:  # ``tokens`` counts the work we just found merged: contribute at the next sync
-            result.error = "the swarm had merged the work this peer resumed from its checkpoint; not sent again"
+            result.error = RESUMED_MERGED
             return result
         if result.rebased:
             if not self.holders_syncing():
