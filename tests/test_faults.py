@@ -15,6 +15,7 @@ from typing import List
 import pytest
 import torch
 
+import tests.swarm
 from docker import netns
 from tests.swarm import PeerProc, Swarm, assert_groups_agree, assert_loss_fell, by_epoch, wait_until
 
@@ -134,10 +135,22 @@ LINEAGES = (PHASES[:3], PHASES[3:])
 
 
 def kill_lineage(swarm: Swarm, checkpoint: Path, phases, name: str, incarnations: List[PeerProc],
-                 others: List[PeerProc]) -> None:
+                 others: List[PeerProc], abort: threading.Event) -> None:
     """One victim SIGKILLed at each of ``phases`` in turn, restarted from ``checkpoint`` after each death, then
     once more to rejoin the groups. It first trains two rounds and stops (SIGTERM), so that every incarnation
-    with a fault plan starts from a checkpoint and dies at the first time it reaches its phase."""
+    with a fault plan starts from a checkpoint and dies at the first time it reaches its phase. Every wait
+    gives up at once when ``abort`` is set (the other lineage failed)."""
+
+    def watched(predicate):
+        def check():
+            if abort.is_set():
+                raise AssertionError(f"{name}: given up, the other lineage failed")
+            return predicate()
+        return check
+
+    def wait_until(predicate, timeout: float, what: str):
+        return tests.swarm.wait_until(watched(predicate), timeout, what)
+
     first = swarm.peer(f"{name}.start", "--checkpoint-dir", str(checkpoint))
     others.append(first)
     wait_until(lambda: applied_after(first, 2), 120, f"{first.name} to apply two rounds")
@@ -152,7 +165,7 @@ def kill_lineage(swarm: Swarm, checkpoint: Path, phases, name: str, incarnations
         assert not list(checkpoint.glob("state.pt.tmp.*")), "an interrupted write was left behind"
         if phase == "donor":
             wait_until(lambda: applied_after(victim, 1), 120, f"{victim.name} to hold the swarm's state")
-            joiner = join_until(swarm, lambda: not victim.alive(), f"{name}.joiner")
+            joiner = join_until(swarm, watched(lambda: not victim.alive()), f"{name}.joiner")
             others.append(joiner)
             wait_until(lambda: applied_after(joiner, 1), 120, "the joiner to download the state and apply a round")
         wait_until(lambda: not victim.alive(), 240, f"the kill of {victim.name} at {phase}")
@@ -173,13 +186,15 @@ def test_kill_at_every_phase_and_resume(swarm, tmp_path):
     incarnations: List[List[PeerProc]] = [[] for _ in LINEAGES]
     others: List[PeerProc] = []
     errors: List[BaseException] = []
+    abort = threading.Event()  # the first lineage to fail stops the other's waits: its failure surfaces at once
 
     def lineage(index: int) -> None:
         try:
             kill_lineage(swarm, tmp_path / f"victim{index}", LINEAGES[index], f"victim{index}",
-                         incarnations[index], others)
+                         incarnations[index], others, abort)
         except BaseException as e:  # re-raised in the test's thread
             errors.append(e)
+            abort.set()
 
     threads = [threading.Thread(target=lineage, args=(i,)) for i in range(len(LINEAGES))]
     for thread in threads:
