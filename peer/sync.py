@@ -330,6 +330,11 @@ class Synchronizer:
                 if self.catch_up(timeout=max(deadline - time.monotonic(), 1.0)):
                     result.rebased = True
                     result.error = "missed the group; caught up, contributing at the next sync"
+                elif result.attempts <= self.config.retries and self.holders_syncing():
+                    # the peers at our state began their sync after our matchmaking gave up on them (we had just
+                    # adopted it and read a holder's record from its own catch-up a moment ago): they count on us
+                    # now (``consensus.peers_with_state``); a round of ours first would miss their group
+                    continue
                 elif self.stuck + 1 >= MAX_MISSED and voters(self.records.values(), mine) == 1:
                     self._apply_alone(tokens, result, mine)  # the others at our state went silent: we are alone
                 else:  # stepping alone while others at our state are alive would fork the run (a minority of 1)
