@@ -100,6 +100,7 @@ class Synchronizer:
         self.announced: dict = dict(ttl=60.0)
         self.step_seconds: Optional[float] = None
         self.merged_ours = False
+        self.unreachable = False  # the last catch_up saw a better state but could download it from none of its holders
         self.contributions = Contributions(self.feedback.codec, run.max_staleness)
         self.recovered_tokens = 0  # tokens behind deltas carried over from a fork we left, not yet re-sent
         self.carried: Optional[torch.Tensor] = None  # those deltas, summed: sent with our next contribution
@@ -157,7 +158,7 @@ class Synchronizer:
         (a member's results reached the others but not us): then our work is in, and carrying it
         again would count it twice; ``self.merged_ours`` tells the caller.
         """
-        self.merged_ours = False
+        self.merged_ours, self.unreachable = False, False
         best = choose_state(self.refresh().values(), self.my_record())
         if best is None:
             return False
@@ -169,6 +170,7 @@ class Synchronizer:
             downloaded = self.averager.download_state(donors, best.state_hash, timeout=timeout,
                                                       part_timeout=self.deadlines.part())
             if downloaded is None:
+                self.unreachable = True
                 logger.warning("could not download the swarm's state from any holder; training on ours for now")
                 return False
             used, metadata, tensors = downloaded
@@ -311,7 +313,7 @@ class Synchronizer:
             except Exception as e:  # AllreduceException, TimeoutError, or anything the averager process hit
                 their_end = attempt_started + self.run.grace_seconds + self.deadlines.allreduce(1 + align)
                 if isinstance(e, MinorityGroup):  # the larger group applies this round: adopt its state when it does
-                    if not isinstance(e, NoMajority) and self._settle(min(deadline, their_end)):
+                    if not isinstance(e, NoMajority) and self._settle(min(deadline, their_end), deadline, result):
                         result.rebased = True
                         result.error = f"{e}: adopted the larger group's state, contributing at its next sync"
                     else:
@@ -322,7 +324,8 @@ class Synchronizer:
                     logger.warning(result.error)
                     # others may still be receiving their last parts: look for their new state for as long as
                     # their all-reduce may take, before averaging our delta again into a different state
-                    if isinstance(e, MaybeApplied) and self._settle(min(deadline, their_end)) and self.merged_ours:
+                    if isinstance(e, MaybeApplied) and self._settle(min(deadline, their_end), deadline, result) \
+                            and self.merged_ours:
                         result.applied, result.rebased = True, True
                         result.error = "our group finished without us, with our delta merged: adopted its state"
                         break
@@ -369,21 +372,35 @@ class Synchronizer:
         tokens, self.recovered_tokens = self.recovered_tokens, 0
         return tokens
 
-    def _settle(self, their_end: float) -> bool:
+    def _settle(self, their_end: float, deadline: float, result: SyncResult) -> bool:
         """After an attempt that failed for us once our reducer had finished: did some groupmate finish it?
         (Also after a minority group: when does the majority's state appear?)
         A lost reducer, or a deadline that fired on us first, can fail the all-reduce for us after the others
         received every part and applied it. Retrying at once would average our delta a second time, into a
         different state (a fork). So first look for a groupmate's new state (members publish it as soon as
         they apply) until SETTLE_SECONDS past ``their_end``, when the last of them must have finished or failed
-        too, and adopt it if it appears; True if we did."""
+        too, and adopt it if it appears; True if we did.
+
+        If by then we see that state but none of its holders answers (a reducer that finished the round, then lost its
+        link), we spend our next attempt's time (``result.attempts``, within ``deadline``) trying again: its link may
+        come back, and averaging again without it forks the run until fork choice joins the two states. (Measured: a
+        6-s cut at a reducer's reduce phase; the others' download from it timed out in TCP's retransmission backoff
+        after the link was back, and they retried as a pair, so the round's group held two states for a round.)"""
         attempted = self.state.epoch
         settle_until = max(time.monotonic(), their_end) + SETTLE_SECONDS
+        extended = False
         while True:
             if self.catch_up(timeout=max(settle_until - time.monotonic(), 1.0), attempted_epoch=attempted):
                 return True
-            if time.monotonic() >= settle_until:
-                return False
+            now = time.monotonic()
+            if now >= settle_until:
+                if extended or not self.unreachable or result.attempts > self.config.retries or now >= deadline:
+                    return False
+                extended, result.attempts = True, result.attempts + 1
+                settle_until = min(deadline, now + self.run.grace_seconds + self.deadlines.allreduce() + SETTLE_SECONDS)
+                logger.info("our group's new state is held by peers that do not answer now; trying again for "
+                            f"{settle_until - now:.0f}s before averaging without them")
+                continue
             time.sleep(SETTLE_POLL)
 
     def hand_over(self) -> List[str]:
