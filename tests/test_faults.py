@@ -164,10 +164,13 @@ def kill_lineage(swarm: Swarm, checkpoint: Path, phases, name: str, incarnations
         assert f"resumed from {checkpoint}: epoch {saved['epoch']}," in victim.stderr, victim.stderr[-3000:]
         assert not list(checkpoint.glob("state.pt.tmp.*")), "an interrupted write was left behind"
         if phase == "donor":
-            wait_until(lambda: applied_after(victim, 1), 120, f"{victim.name} to hold the swarm's state")
-            joiner = join_until(swarm, watched(lambda: not victim.alive()), f"{name}.joiner")
-            others.append(joiner)
-            wait_until(lambda: applied_after(joiner, 1), 120, "the joiner to download the state and apply a round")
+            # a peer of the other lineage, catching up, may download from it first: then it dies here already
+            wait_until(lambda: applied_after(victim, 1) or not victim.alive(), 120,
+                       f"{victim.name} to hold the swarm's state")
+            if victim.alive():
+                joiner = join_until(swarm, watched(lambda: not victim.alive()), f"{name}.joiner")
+                others.append(joiner)
+                wait_until(lambda: applied_after(joiner, 1), 120, "the joiner to download the state and apply a round")
         wait_until(lambda: not victim.alive(), 240, f"the kill of {victim.name} at {phase}")
         assert victim.popen.returncode == -signal.SIGKILL and struck(victim, "kill", phase), victim.stderr[-3000:]
     final = swarm.peer(f"{name}.final", "--checkpoint-dir", str(checkpoint))
