@@ -109,8 +109,10 @@ def test_freeze_slow_or_partition_at_every_phase(request, tmp_path, kind, second
                     (("inner", 2), ("matchmaking", 3), ("send", 4), ("reduce", 5), ("checkpoint", 6), ("donor", 7)))
     # Partitions: rounds of ~2.5 s, whose adaptive all-reduce deadlines outlast the 6-s cut. With ~1-s rounds the
     # deadlines shrink to their 5-s floor, and a cut at reduce can leave the victim with the group's full average
-    # while the others, past their deadline and unable to see its new state, retry as a pair: a fork that fork
-    # choice heals two rounds later, but a group whose members hold two states (seen once in four suites).
+    # while the others, past their deadline, cannot download its new state and retry as a pair: a fork that fork
+    # choice heals two rounds later, but a group whose members hold two states (seen once in four suites, and once
+    # more at 0.5 s). ``Synchronizer._settle`` now spends a retry's time on that download first; the pacing stays
+    # until the unpaced cells are shown to take that path and pass.
     pace = ("--min-step-seconds", "0.5") if kind == "partition" else ()
     survivors = [swarm.peer(f"p{i}", *pace) for i in range(2)]
     victim = swarm.peer("victim", "--fault-plan", plan, "--checkpoint-dir", str(tmp_path / "victim"), *pace,
