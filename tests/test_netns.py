@@ -140,8 +140,13 @@ def test_link_down_cuts_one_namespace_off(net, procs):
 def test_close_removes_everything(procs):
     network = TestNetwork(2)
     names = [network.namespace(i) for i in range(2)]
-    inside = subprocess.Popen(network.wrap(0, [sys.executable, "-c", "import time; time.sleep(60)"]))
+    script = "import time; print('in', flush=True); time.sleep(60)"
+    inside = subprocess.Popen(network.wrap(0, [sys.executable, "-c", script]), stdout=subprocess.PIPE, text=True)
     procs.append(inside)
+    # close kills what runs inside; until python prints, `ip netns exec` may not have entered the namespace yet
+    # (CI: closed first, it entered the deleted namespace afterwards and slept on)
+    ready, _, _ = select.select([inside.stdout], [], [], 10)
+    assert ready and inside.stdout.readline() == "in\n", "the process did not start inside the namespace in 10 s"
     network.close()
     assert inside.wait(timeout=10) != 0  # killed by close
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
