@@ -46,7 +46,7 @@ from peer.config import RunConfig, SyncConfig
 from peer.model import PRESETS, build_model, count_parameters
 
 MODEL = "micro"
-AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "averaging", "warm-start")
+AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "outer-lr-decay", "averaging", "warm-start")
 SLOWDOWN = 3.0  # the slow replica's seconds per inner step, relative to the others
 QUICK = dict(tokens=80_000, replicas=2, inner_steps=10, seeds=[0], axes=["codec", "alignment", "feedback"],
              codecs=["none"], eval_batches=4, evals=4, warmup_steps=20)
@@ -67,6 +67,7 @@ class Cell:
     slow: bool = False
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_lr_decay: bool = False  # the outer lr follows the inner cosine
     warm: float = 0.0  # fraction of the tokens trained data-parallel before DiLoCo starts
 
     @property
@@ -75,6 +76,7 @@ class Cell:
                 "codec": f"codec {self.compression}", "alignment": f"alignment {'on' if self.align else 'off'}",
                 "feedback": f"error feedback {'on' if self.feedback else 'off'}",
                 "slow": f"one replica {SLOWDOWN:g}x slower", "outer-lr": f"outer lr {self.outer_lr:g}",
+                "outer-lr-decay": f"outer lr {self.outer_lr:g}, decaying with the inner lr",
                 "averaging": "plain averaging (outer lr 1, momentum 0)",
                 "warm-start": f"data-parallel for the first {self.warm:.0%} of the tokens"}[self.axis]
 
@@ -93,6 +95,8 @@ def cells(args) -> List[Cell]:
         "feedback": [dataclasses.replace(centre, axis="feedback", feedback=False)],
         "slow": [dataclasses.replace(centre, axis="slow", slow=True)],
         "outer-lr": [dataclasses.replace(centre, axis="outer-lr", outer_lr=lr) for lr in args.outer_lrs],
+        "outer-lr-decay": [dataclasses.replace(centre, axis="outer-lr-decay", outer_lr=lr, outer_lr_decay=True)
+                           for lr in args.decayed_outer_lrs],
         "averaging": [dataclasses.replace(centre, axis="averaging", outer_lr=1.0, outer_momentum=0.0)],
         "warm-start": [dataclasses.replace(centre, axis="warm-start", warm=warm) for warm in args.warm_starts],
     }
@@ -121,7 +125,7 @@ def cell_run(cell: Cell, args) -> RunConfig:
     return base_run(args, inner_steps=cell.inner_steps, lr_decay_steps=steps,
                     compression=cell.compression, error_feedback=cell.feedback,
                     align_every=args.align_every if cell.align else 0, outer_lr=cell.outer_lr,
-                    outer_momentum=cell.outer_momentum)
+                    outer_momentum=cell.outer_momentum, outer_lr_decay=cell.outer_lr_decay)
 
 
 def dp_steps(replicas: int, args) -> int:
@@ -310,6 +314,7 @@ def gap_sources(rows: List[Row], lone: List[SimulationResult], args) -> str:
     """The cells that show where the centre's gap comes from, by axis, and a lone replica for reference."""
     centre, lines = find(rows, "centre"), []
     for axis, what in (("H", "rounds (H)"), ("M", "replicas (M)"), ("outer-lr", "outer learning rate"),
+                       ("outer-lr-decay", "outer learning rate, decaying"),
                        ("averaging", "outer optimizer"), ("warm-start", "warm start")):
         shown = sorted([centre] + [row for row in rows if row.cell is not None and row.cell.axis == axis],
                        key=lambda row: (row.cell.inner_steps, row.cell.replicas, row.cell.outer_lr, row.cell.warm))
@@ -560,11 +565,13 @@ def parse_args(argv: Sequence[str]):
     parser.add_argument("--inner-steps", type=int, default=100, help="the centre's H")
     parser.add_argument("--compression", default="int4", help="the centre's codec")
     parser.add_argument("--align-every", type=int, default=4, help="momentum alignment every k rounds, where on")
-    parser.add_argument("--axes", nargs="*", default=list(AXES), choices=AXES)
+    parser.add_argument("--axes", nargs="*", default=[axis for axis in AXES if axis != "outer-lr-decay"], choices=AXES)
     parser.add_argument("--sweep-replicas", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--sweep-inner-steps", type=int, nargs="*", default=[10, 50, 100, 250])
     parser.add_argument("--codecs", nargs="*", default=["none", "fp16", "int8", "int4"])
     parser.add_argument("--outer-lrs", type=float, nargs="*", default=[0.4, 1.0])
+    parser.add_argument("--decayed-outer-lrs", type=float, nargs="*", default=[0.7],
+                        help="peak outer lrs of the outer-lr-decay axis")
     parser.add_argument("--warm-starts", type=float, nargs="*", default=[0.2],
                         help="fractions of the tokens trained data-parallel before DiLoCo starts")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])

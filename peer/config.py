@@ -8,13 +8,25 @@ and is filled in by ``RunConfig.resolved()`` before the manifest is written.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from compression import CODECS
 from dht.cli import opt, require_non_negative, require_positive
 from peer.model import PRESETS
+
+
+def portable_cos(x: float) -> float:
+    """cos(x) for x in [0, pi] from IEEE double +, * and / alone (its Taylor series, to below 1e-15), so that
+    every machine gets the same bits: libm's cos may differ in the last bit between platforms, and the outer
+    lr must not (members apply the same outer step bit for bit)."""
+    term, total, square = 1.0, 1.0, x * x
+    for k in range(1, 24):
+        term = -term * square / ((2 * k - 1) * (2 * k))
+        total += term
+    return total
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,7 @@ class RunConfig:
     grad_clip: float = opt(1.0, "clip the inner gradient norm to this (0 = off)")
     outer_lr: float = opt(0.7, "outer Nesterov learning rate (DiLoCo: 0.7)")
     outer_momentum: float = opt(0.9, "outer Nesterov momentum (DiLoCo: 0.9)")
+    outer_lr_decay: bool = opt(False, "decay the outer lr along the inner lr's cosine, to --outer-lr x --min-lr-ratio")
     compression: str = opt("fp16", "wire codec for the all-reduce", choices=tuple(CODECS))
     error_feedback: bool = opt(True, "carry what the codec dropped from our delta into the next round")
     align_every: int = opt(4, "average the inner AdamW first moment every k rounds (0 = never)")
@@ -71,6 +84,17 @@ class RunConfig:
             raise ValueError(f"stale_discount must be in (0, 1], got {self.stale_discount}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def lr_factor(self, global_step: int, cos: Callable[[float], float] = math.cos) -> float:
+        """The cosine decay at a global inner step (epoch x H): 1 at the start, ``min_lr_ratio`` from
+        ``lr_decay_steps`` on."""
+        progress = min(1.0, global_step / max(self.lr_decay_steps, 1))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + cos(math.pi * progress))
+
+    def outer_lr_at(self, global_step: int) -> float:
+        """The outer lr of the step that closes the round begun at ``global_step``: a function of the epoch
+        alone, so every member of a group computes the same one."""
+        return self.outer_lr * (self.lr_factor(global_step, portable_cos) if self.outer_lr_decay else 1.0)
 
     def resolved(self) -> "RunConfig":
         """Fill every preset-dependent default, so the manifest pins concrete values."""

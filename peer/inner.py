@@ -61,9 +61,7 @@ class InnerTrainer:
         """Warmup on this peer's own fresh optimizer, cosine decay along the swarm's global step."""
         run = self.run
         warmup = min(1.0, (self.local_steps + 1) / run.warmup_steps) if run.warmup_steps else 1.0
-        progress = min(1.0, global_step / max(run.lr_decay_steps, 1))
-        cosine = run.min_lr_ratio + (1 - run.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-        return run.lr * warmup * cosine
+        return run.lr * warmup * run.lr_factor(global_step)
 
     def _loss(self, batch: torch.Tensor, model: Optional[torch.nn.Module] = None) -> torch.Tensor:
         batch = batch.to(self.device, non_blocking=True)

@@ -350,6 +350,10 @@ class Synchronizer:
             self.recovered_tokens += recovered  # still carried: sent, with its tokens, at our next sync
         return result
 
+    def outer_lr(self) -> float:
+        """The outer lr of the step from our epoch to the next."""
+        return self.run.outer_lr_at(self.state.epoch * self.run.inner_steps)
+
     def producers(self) -> List[str]:
         """The peers whose deltas our state's last outer step merged."""
         return [peer for peer, epoch in self.state.merged.items() if epoch == self.state.epoch - 1]
@@ -359,7 +363,7 @@ class Synchronizer:
         (from theta as frozen at the round's end) in place of the group's average (peer/local.py)."""
         params, momentum = self.state.params.clone(), self.state.momentum.clone()
         own_delta = torch.sub(params, self.local.gather(self.layout.empty()))
-        nesterov_step(params, momentum, own_delta, self.run.outer_lr, self.run.outer_momentum)
+        nesterov_step(params, momentum, own_delta, self.outer_lr(), self.run.outer_momentum)
         return params
 
     def take_dropped_resumed(self) -> bool:
@@ -514,7 +518,7 @@ class Synchronizer:
                 result.error = "the averaged pseudo-gradient is not finite; not applied"
                 return
             self.contributions.remember(self.state.epoch, own_delta, int(gathered[self.peer_id]["tokens"]))
-            nesterov_step(self.state.params, self.state.momentum, self.delta, self.run.outer_lr,
+            nesterov_step(self.state.params, self.state.momentum, self.delta, self.outer_lr(),
                           self.run.outer_momentum)
             if outcome["aligned"]:
                 self.local.load_first_moments([view for _, view in self.layout.slices(self.moment)])

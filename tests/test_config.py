@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import math
 
 import pytest
 
@@ -9,7 +10,7 @@ from dht.cli import add_arguments, explicit_values, from_args
 from dht.manifest import RunManifest
 from dht.node import DHTConfig
 from peer.__main__ import parse_args
-from peer.config import NodeConfig, RunConfig, SyncConfig
+from peer.config import NodeConfig, RunConfig, SyncConfig, portable_cos
 
 
 def test_required_flags_exist_with_help():
@@ -48,6 +49,15 @@ def test_resolved_fills_preset_defaults_and_keeps_explicit_ones():
     resolved = RunConfig(model="tiny", lr=0.002).resolved()
     assert resolved.lr == 0.002 and resolved.tokenizer == "bytes" and resolved.inner_steps == 50
     assert RunConfig(model="150m").resolved().tokenizer == "gpt2"
+
+
+def test_the_outer_lr_decays_with_the_inner_lr_only_when_asked():
+    run = RunConfig(outer_lr=0.4, lr_decay_steps=1000, min_lr_ratio=0.1)
+    assert [run.outer_lr_at(step) for step in (0, 500, 1000, 5000)] == [0.4] * 4
+    decaying = dataclasses.replace(run, outer_lr_decay=True)
+    assert [round(decaying.outer_lr_at(step), 6) for step in (0, 500, 1000, 5000)] == [0.4, 0.22, 0.04, 0.04]
+    assert decaying.outer_lr_at(500) / decaying.outer_lr == pytest.approx(run.lr_factor(500))  # the inner's curve
+    assert max(abs(portable_cos(x / 100) - math.cos(x / 100)) for x in range(315)) < 1e-15
 
 
 def test_manifest_hash_is_stable_and_covers_every_setting():

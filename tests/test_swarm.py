@@ -24,9 +24,11 @@ def swarm(tmp_path):
 
 
 def test_three_peers_agree_learn_and_admit_a_joiner(swarm):
-    peers = [swarm.peer(f"p{i}") for i in range(3)]
+    # the outer lr decays each epoch (to 0.1x by epoch 10): members must compute the same one to stay identical
+    decaying = ("--outer-lr-decay", "--lr-decay-steps", "50")
+    peers = [swarm.peer(f"p{i}", *decaying) for i in range(3)]
     peers[0].wait_rounds(3, timeout=180)
-    joiner = swarm.peer("joiner")
+    joiner = swarm.peer("joiner", *decaying)
     wait_until(lambda: sum(r["applied"] for r in joiner.metrics) >= 3, 240, "the joiner to apply 3 outer steps")
     for peer in peers + [joiner]:
         peer.signal(signal.SIGTERM)
