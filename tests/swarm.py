@@ -131,13 +131,18 @@ class PeerProc(Proc):
     def metrics(self) -> List[dict]:
         return read_metrics(self.metrics_path)
 
-    def wait_rounds(self, count: int, timeout: float) -> List[dict]:
-        def enough():
-            if not self.alive() and len(self.metrics) < count:
-                raise AssertionError(f"{self.name} exited early (rc={self.popen.returncode}):\n{self.stderr[-3000:]}")
-            return len(self.metrics) >= count and self.metrics
+    def reached(self, done: Callable[[List[dict]], bool]) -> bool:
+        """Whether ``done(metrics)`` holds; raises when the process exited before it did (nothing to wait for)."""
+        if done(self.metrics):
+            return True
+        if not self.alive() and not done(self.metrics):  # read again: the last record lands before the exit
+            raise AssertionError(f"{self.name} exited early (rc={self.popen.returncode}):\n{self.stderr[-3000:]}")
+        return False
 
-        return wait_until(enough, timeout, f"{self.name} to finish {count} rounds")
+    def wait_rounds(self, count: int, timeout: float) -> List[dict]:
+        wait_until(lambda: self.reached(lambda metrics: len(metrics) >= count), timeout,
+                   f"{self.name} to finish {count} rounds")
+        return self.metrics
 
 
 class Swarm:

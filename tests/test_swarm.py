@@ -193,12 +193,11 @@ def test_quantized_rounds_shrink_the_wire_and_keep_states_identical(swarm):
             for codec in ("none", "int8", "int4")}  # three runs side by side on one bootstrap
     every = [peer for peers in runs.values() for peer in peers]
 
-    def paired(peer):
-        if not peer.alive():
-            raise AssertionError(f"{peer.name} exited early:\n{peer.stderr[-3000:]}")
-        return sum(r["applied"] and r["group_size"] == 2 for r in peer.metrics) >= 3
+    def paired(metrics):
+        return sum(r["applied"] and r["group_size"] == 2 for r in metrics) >= 3
 
-    wait_until(lambda: all(paired(peer) for peer in every), 300, "every peer to apply 3 rounds with its partner")
+    wait_until(lambda: all(peer.reached(paired) for peer in every), 300,
+               "every peer to apply 3 rounds with its partner")
     for peer in every:
         peer.signal(signal.SIGTERM)
     for codec, peers in runs.items():
