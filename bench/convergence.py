@@ -362,9 +362,9 @@ def plot(rows: List[Row], path: Path) -> None:
                   if row is centre else f"DiLoCo {row.label}", **style)
         right.plot(*row.gap_curve(), marker=".", label=left.get_lines()[-1].get_label(), **style)
     for row in rows:
-        if row.cell is not None and row.cell.axis in ("alignment", "feedback", "slow", "outer-lr", "averaging",
-                                                      "warm-start"):
-            right.plot(*row.gap_curve(), ls="--", lw=1, label=f"DiLoCo {row.label}")
+        if row.cell is not None and row.cell.axis in ("alignment", "feedback", "slow", "outer-lr", "outer-lr-decay",
+                                                      "averaging", "warm-start"):
+            right.plot(*row.gap_curve(), ls="-" if row.cell.outer_lr_decay else "--", lw=1, label=f"DiLoCo {row.label}")
     left.set(xlabel="tokens (all replicas)", ylabel="held-out eval loss",
              title=f"M={centre.replicas}, {centre.cell.compression}: eval loss")
     lowest = min(line.get_ydata().min() for line in left.get_lines())
