@@ -443,11 +443,17 @@ def multi_peer_settings(args) -> Dict[str, object]:
     """The run settings the real peers share and the simulation uses: the tiny preset at the tests' batch size."""
     return dict(model="tiny", batch_size=4, seq_len=64, lr=0.003, warmup_steps=5, inner_steps=args.peer_inner_steps,
                 lr_decay_steps=args.rounds * args.peer_inner_steps, compression=args.compression,
-                align_every=args.align_every, eval_every=5, eval_batches=args.peer_eval_batches, seed=0)
+                align_every=args.align_every, eval_every=5, eval_batches=args.peer_eval_batches, seed=0,
+                outer_lr_decay=args.peer_outer_lr_decay)
 
 
 def as_flags(settings: Dict[str, object]) -> List[str]:
-    return [item for name, value in settings.items() for item in (f"--{name.replace('_', '-')}", str(value))]
+    """Command-line flags for ``settings``; a switch (a bool) as ``--name`` or ``--no-name``."""
+    flags = []
+    for name, value in settings.items():
+        flag = name.replace("_", "-")
+        flags += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
+    return flags
 
 
 def run_peers(args, log_dir: Path) -> List[List[dict]]:
@@ -591,6 +597,8 @@ def parse_args(argv: Sequence[str]):
     peers.add_argument("--rounds", type=int, default=20)
     peers.add_argument("--peer-inner-steps", type=int, default=20)
     peers.add_argument("--peer-eval-batches", type=int, default=32)
+    peers.add_argument("--peer-outer-lr-decay", action="store_true",
+                       help="the peers and the simulation run with --outer-lr-decay (its own report section)")
     peers.add_argument("--peer-seeds", type=int, nargs="*", default=[0, 1])
     peers.add_argument("--min-step-seconds", type=float, default=0.4)
     peers.add_argument("--peer-timeout", type=float, default=1200.0)
@@ -607,7 +615,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     title = "Convergence: DiLoCo against synchronous data-parallel training"
     if args.multi_peer:
-        text, name = multi_peer(args, argv), "multi-peer"
+        text = multi_peer(args, argv)
+        name = "multi-peer-outer-lr-decay" if args.peer_outer_lr_decay else "multi-peer"
     else:
         runs = Runs(args.cache)
         rows, lone = run_sweep(args, runs), lone_replica(runs, args)
