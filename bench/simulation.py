@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -99,12 +99,14 @@ def warm_start(trainers: Sequence[InnerTrainer], streams, batch_size: int, steps
 
 def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, seed: int = 0,
              paces: Optional[Sequence[float]] = None,
-             schedule: Optional[Sequence[Sequence[int]]] = None, warm_steps: int = 0) -> SimulationResult:
+             schedule: Optional[Sequence[Sequence[int]]] = None, warm_steps: int = 0,
+             observe: Optional[Callable[[str, torch.Tensor], None]] = None) -> SimulationResult:
     """``rounds`` outer rounds of ``replicas`` replicas; ``paces``: each replica's seconds per inner step
     (default: all equal), which sets its steps and so its tokens and weight in every round. ``schedule``
     instead gives the steps of every replica in every round (``schedule[round][replica]``), e.g. the steps
     that real peers' metrics report, to replay their run. ``warm_steps``: data-parallel steps first
-    (``warm_start``), evaluated as round 0."""
+    (``warm_start``), evaluated as round 0. ``observe(kind, values)`` sees every vector a replica sends, as it
+    encodes it: kind "delta" (its pseudo-gradient) or "moment" (its first moments, for alignment)."""
     run = run.resolved()
     codec = get_codec(run.compression)
     corpus = load_corpus(run.dataset, ByteTokenizer(), run.seq_len, run.eval_fraction)
@@ -132,6 +134,8 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
             torch.sub(params, delta, out=delta)
             feedback.commit(delta)  # delta becomes what this replica sends
             sent += encoded_bytes(codec, delta)
+            if observe:
+                observe("delta", delta)
             contributions.append(delta)
             weights.append(float(stats.tokens))  # token weighting (DESIGN.md step 2)
             tokens += stats.tokens
@@ -141,6 +145,8 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
         if run.align_every and (round_index + 1) % run.align_every == 0:
             moments = [layout.gather(t.first_moments(), layout.empty()) for t in trainers]
             sent += sum(encoded_bytes(codec, moment) for moment in moments)
+            for moment in moments if observe else ():
+                observe("moment", moment)
             moments = [roundtrip(codec, moment) for moment in moments]
             aligned = roundtrip(codec, reduce(moments, weights, run.clip_factor))
             for trainer in trainers:
