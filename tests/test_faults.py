@@ -123,7 +123,7 @@ def test_freeze_slow_or_partition_at_every_phase(request, tmp_path, kind, second
     joiner = join_until(swarm, lambda: struck(victim, kind, "donor"), "joiner", *pace)
     wait_until(lambda: applied_after(joiner, 1), 120, "the joiner to download the state and apply a round")
     rounds = len(victim.metrics)
-    wait_until(lambda: any(r["applied"] and r["group_size"] >= 3 for r in victim.metrics[rounds:]), 120,
+    wait_until(lambda: victim.reached(lambda m: any(r["applied"] and r["group_size"] >= 3 for r in m[rounds:])), 120,
                f"the {kind} victim to rejoin the groups")
     everyone = survivors + [victim, joiner]
     stop_after(survivors, everyone, min_rounds=8)
@@ -177,7 +177,7 @@ def kill_lineage(swarm: Swarm, checkpoint: Path, phases, name: str, incarnations
         assert victim.popen.returncode == -signal.SIGKILL and struck(victim, "kill", phase), victim.stderr[-3000:]
     final = swarm.peer(f"{name}.final", "--checkpoint-dir", str(checkpoint))
     others.append(final)
-    wait_until(lambda: any(r["applied"] and r["group_size"] >= 3 for r in final.metrics), 120,
+    wait_until(lambda: final.reached(lambda m: any(r["applied"] and r["group_size"] >= 3 for r in m)), 120,
                f"{final.name} to rejoin the groups")
     ids = {r["peer_id"] for peer in [first, *incarnations, final] for r in peer.metrics}
     assert len(ids) == 1, f"{name}: a restart from the checkpoint dir keeps the peer id"
@@ -229,11 +229,12 @@ def test_split_two_two_heals_to_one_state(tmp_path):
         swarm = Swarm(tmp_path, net)
         try:
             peers = [swarm.peer(f"p{i}", "--inner-steps", "25", namespace=i) for i in range(4)]
-            wait_until(lambda: all(any(r["group_size"] == 4 for r in p.metrics) for p in peers), 180,
+            wait_until(lambda: all(p.reached(lambda m: any(r["group_size"] == 4 for r in m)) for p in peers), 180,
                        "a group of all 4")
             split_at = [len(p.metrics) for p in peers]
             net.partition([0, 1], [2, 3])
-            wait_until(lambda: all(sum(r["applied"] for r in p.metrics[n:]) >= 3 for p, n in zip(peers, split_at)),
+            wait_until(lambda: all(p.reached(lambda m, n=n: sum(r["applied"] for r in m[n:]) >= 3)
+                                   for p, n in zip(peers, split_at)),
                        180, "3 rounds applied in each half")
             net.heal()
             healed_at = [len(p.metrics) for p in peers]

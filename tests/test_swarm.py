@@ -29,7 +29,8 @@ def test_three_peers_agree_learn_and_admit_a_joiner(swarm):
     peers = [swarm.peer(f"p{i}", *decaying) for i in range(3)]
     peers[0].wait_rounds(3, timeout=180)
     joiner = swarm.peer("joiner", *decaying)
-    wait_until(lambda: sum(r["applied"] for r in joiner.metrics) >= 3, 240, "the joiner to apply 3 outer steps")
+    wait_until(lambda: joiner.reached(lambda m: sum(r["applied"] for r in m) >= 3), 240,
+               "the joiner to apply 3 outer steps")
     for peer in peers + [joiner]:
         peer.signal(signal.SIGTERM)
     for peer in peers + [joiner]:
@@ -133,7 +134,7 @@ def test_work_merged_before_a_peer_died_is_not_sent_again_by_its_restart(swarm, 
     assert saved["round_steps"] > 0 and saved["epoch"] == victim.metrics[-1]["epoch"] - 1
 
     restarted = swarm.peer("restarted", *flags, *victim_flags)
-    wait_until(lambda: any(r["applied"] and r["group_size"] == 2 for r in restarted.metrics), 120,
+    wait_until(lambda: restarted.reached(lambda m: any(r["applied"] and r["group_size"] == 2 for r in m)), 120,
                "the restart to apply a round with the survivor")
     assert "the swarm merged the work this peer resumed from its checkpoint" in restarted.stderr, \
         restarted.stderr[-3000:]
