@@ -126,3 +126,19 @@ def test_quantize_leaves_the_residual_until_commit():
     assert torch.all(feedback.residual == 0.01)  # a failed all-reduce attempt must not lose it
     assert torch.equal(out, codec.decode(codec.encode(delta + 0.01), 1000))
     assert ErrorFeedback(get_codec("none"), 1000).residual is None
+
+
+def test_lossless_bound_sees_the_redundancy_of_skewed_codes():
+    """bench.entropy's measures: a normal block uses NF4's 16 codes about equally (entropy near 4 bits), while a
+    block of one large value among small ones uses few codes; the wire is 4.25 bits a value either way."""
+    from bench.entropy import part_bits
+
+    codec, generator = get_codec("int4"), torch.Generator().manual_seed(0)
+    normal = torch.randn(1 << 16, generator=generator)
+    skewed = torch.randn(1 << 16, generator=generator) * 1e-3
+    skewed[:: codec.block] = 1.0  # every block's absmax dwarfs the rest: nearly all codes land on the middle ones
+    for values in (normal, skewed):
+        assert part_bits(codec, values)["wire"] == 4.25 * values.numel()
+    normal_bits, skewed_bits = part_bits(codec, normal), part_bits(codec, skewed)
+    assert 3.7 * normal.numel() < normal_bits["order-0 entropy"] < 4.25 * normal.numel()
+    assert skewed_bits["order-0 entropy"] < 1.5 * skewed.numel() and skewed_bits["zlib"] < 2 * skewed.numel()
