@@ -4,7 +4,7 @@ It runs in its own process (hivemind's design), with the pseudo-gradient buffers
 What it adds to hivemind's averager:
 - ``prepare_round`` puts only peers holding the same (epoch, state hash) under one matchmaking key
   and tells the leader how many peers to expect, so a complete group forms without waiting the
-  whole grace window;
+  whole grace window; an expected peer whose process is gone (``liveness.gone``) is no longer waited for;
 - the all-reduce is ``ExactAllReduceRunner`` (members end bit-identical or the round fails), and it
   averages the inner first moment too on alignment rounds;
 - ``download_state`` fetches (G, m, metadata) from several donors at once, slice by slice, and
@@ -36,6 +36,7 @@ from compression import Codec
 from dht.node import init_child_process
 from peer.allreduce import ExactAllReduceRunner, GroupLostMember, MaybeApplied, MinorityGroup, NoMajority
 from peer.consensus import majority_elsewhere, minority
+from peer.liveness import PROBE_EVERY, PROBE_SECONDS, gone
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class SwarmAverager(DecentralizedAverager):
         self._shared_used = 0.0
         self._traffic = mp.Array(ctypes.c_ulonglong, 2)  # written by the averager process, read by ours
         self.round_epoch = -1  # the epoch being synced, as set by prepare_round (averager process)
+        self._rounds_prepared = 0  # prepare_round calls so far (averager process): a stale probe's round is over
         self.has_moment = moment is not None
         tensors = [delta] + ([moment] if moment is not None else [])
         super().__init__(
@@ -144,19 +146,22 @@ class SwarmAverager(DecentralizedAverager):
 
     # ---- round control (main process -> averager process) ----
     def prepare_round(self, epoch: int, state_hash: str, min_group: int, expected_group: int,
-                      allreduce_timeout: float, part_timeout: float) -> None:
+                      allreduce_timeout: float, part_timeout: float, probe: Sequence[str] = ()) -> None:
         """Use this round's matchmaking key and deadlines. A leader closes the group as soon as
         ``expected_group`` peers joined, or when its grace window ends with at least ``min_group``; below
-        that, no group forms."""
+        that, no group forms. Expected peers listed in ``probe`` are dialled meanwhile, and each one whose
+        process is gone is taken off the expected group."""
         future = MPFuture()
         self._outer_pipe.send(("_prepare_round", [], dict(
             epoch=epoch, bits=round_bits(epoch, state_hash), min_group=min_group, expected_group=expected_group,
-            allreduce_timeout=allreduce_timeout, part_timeout=part_timeout, future=future)))
+            allreduce_timeout=allreduce_timeout, part_timeout=part_timeout, probe=list(probe), future=future)))
         future.result(timeout=30)
 
     async def _prepare_round(self, epoch: int, bits: str, min_group: int, expected_group: int,
-                             allreduce_timeout: float, part_timeout: float, future: MPFuture) -> None:
+                             allreduce_timeout: float, part_timeout: float, probe: List[str],
+                             future: MPFuture) -> None:
         try:
+            self._rounds_prepared += 1
             self.round_epoch = epoch
             self.exact_timeout, self.part_timeout = allreduce_timeout, part_timeout
             key_manager = self._matchmaking.group_key_manager
@@ -165,13 +170,51 @@ class SwarmAverager(DecentralizedAverager):
             # key is set afresh every round, so skip that (it raises when a group outgrows the target)
             key_manager.update_key_on_group_assembled = _keep_round_key
             self._matchmaking.min_group_size = min_group
-            target = max(expected_group, min_group)
-            self._matchmaking.target_group_size = target
-            key_manager.target_group_size = target
-            self._matchmaking.potential_leaders.target_group_size = target
+            self._set_target(max(expected_group, min_group))
+            if probe:
+                asyncio.create_task(self._stop_waiting_for_the_gone(probe, self._rounds_prepared))
             future.set_result(None)
         except BaseException as e:
             future.set_exception(e)
+
+    def _set_target(self, target: int) -> None:
+        self._matchmaking.target_group_size = target
+        self._matchmaking.group_key_manager.target_group_size = target
+        self._matchmaking.potential_leaders.target_group_size = target
+
+    async def _stop_waiting_for_the_gone(self, probe: List[str], round_number: int) -> None:
+        """Through this round's matchmaking, dial the expected peers in ``probe`` every PROBE_EVERY seconds (a
+        live one we are connected to answers from our own daemon); each one whose process is gone comes off the
+        expected group, and a leader that then holds every expected peer closes its group at once, as hivemind's
+        does when the last expected follower joins."""
+        loop = asyncio.get_event_loop()
+        until = loop.time() + self._matchmaking.min_matchmaking_time + PROBE_SECONDS
+        waiting = list(probe)
+        while waiting and round_number == self._rounds_prepared and loop.time() < until:
+            started = loop.time()
+            try:
+                dead = await gone(self._p2p, waiting)
+            except Exception as e:
+                logger.debug(f"liveness probe failed: {e!r}")
+                return
+            if dead:
+                waiting = [peer for peer in waiting if peer not in dead]
+                await self._expect_fewer(dead, round_number)
+            await asyncio.sleep(max(0.0, PROBE_EVERY - (loop.time() - started)))
+
+    async def _expect_fewer(self, dead: List[str], round_number: int) -> None:
+        matchmaking = self._matchmaking
+        async with matchmaking.lock_request_join_group:
+            if round_number != self._rounds_prepared:
+                return
+            target = max(matchmaking.target_group_size - len(dead), matchmaking.min_group_size)
+            self._set_target(target)
+            logger.info(f"not waiting for {len(dead)} peer(s) at our state whose process is gone (every dial "
+                        f"refused): {', '.join(peer[-6:] for peer in dead)}; expecting a group of {target}")
+            if (matchmaking.is_looking_for_group and not matchmaking.client_mode and matchmaking.current_leader is None
+                    and matchmaking.current_followers and not matchmaking.assembled_group.done()
+                    and len(matchmaking.current_followers) + 1 >= target):
+                await matchmaking.leader_assemble_group()
 
     async def _step(self, **kwargs) -> None:
         try:

@@ -305,9 +305,11 @@ class Synchronizer:
                 break
             attempt_started = time.monotonic()
             try:
+                # a holder killed just now still has a fresh record: ask the network whether it is gone
+                holders = [r.peer_id for r in peers_with_state(records, mine) if not r.client_mode]
                 self.averager.prepare_round(mine.epoch, mine.state_hash, max(2, self.run.quorum), expected,
                                             allreduce_timeout=self.deadlines.allreduce(1 + align),
-                                            part_timeout=self.deadlines.part(1 + align))
+                                            part_timeout=self.deadlines.part(1 + align), probe=holders)
                 outcome = self._average(tokens, tokens * self.run.stale_discount ** missed_rounds, align, deadline,
                                         mine)
             except Exception as e:  # AllreduceException, TimeoutError, or anything the averager process hit

@@ -272,3 +272,27 @@ def test_split_two_two_heals_to_one_state(tmp_path):
     final = max(r["tokens_total"] for p in peers for r in p.metrics)
     assert final >= trained, f"the final state merged {final} tokens of the {trained} trained before the heal"
     assert_loss_fell(peers)
+
+
+def test_a_peer_killed_as_its_sync_begins_is_not_waited_for(swarm):
+    """A peer killed as it enters matchmaking still has a fresh record, so the others expect it in their group.
+    Its dials are refused (its p2p daemon died with it), so they stop waiting for it at once: with a 20-s grace
+    window, the survivors' sync of that round takes a fraction of the window, not all of it."""
+    grace = 20.0
+    flags = ("--grace-seconds", str(grace))
+    survivors = [swarm.peer(f"p{i}", *flags) for i in range(2)]
+    victim = swarm.peer("victim", *flags, "--fault-plan", "kill@matchmaking:3")
+    wait_until(lambda: not victim.alive(), 180, "the kill as the victim enters matchmaking")
+    assert victim.popen.returncode == -signal.SIGKILL and struck(victim, "kill", "matchmaking"), victim.stderr[-3000:]
+    last = victim.metrics[-1]["epoch"]
+    assert any(r["group_size"] == 3 for r in victim.metrics), "the victim was never in a group of all three"
+
+    def first_pair_round(metrics):
+        return next((r for r in metrics if r["epoch"] > last and r["applied"] and r["group_size"] == 2), None)
+
+    wait_until(lambda: all(p.reached(first_pair_round) for p in survivors), 120, "a round of the survivors")
+    rounds = [first_pair_round(p.metrics) for p in survivors]
+    assert len({r["state_hash"] for r in rounds}) == 1
+    assert all(r["sync_wall_seconds"] < grace / 2 for r in rounds), \
+        [(r["epoch"], r["sync_wall_seconds"]) for r in rounds]
+    assert any("whose process is gone" in p.stderr for p in survivors), survivors[0].stderr[-3000:]
