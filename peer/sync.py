@@ -277,14 +277,16 @@ class Synchronizer:
             # deltas carried from a fork we just left go out in this sync (``_own_delta``): so do their tokens
             recovered = self.take_recovered_tokens()
             tokens += recovered
+        just_read = False  # whether the records were read since the last attempt
         while result.attempts <= self.config.retries and time.monotonic() < deadline:
             result.attempts += 1
             align = bool(self.moment is not None and (self.state.epoch + 1) % self.run.align_every == 0)
             if not self._fill_buffers(align):
                 result.error = "local pseudo-gradient is not finite: dropped this round's work"
                 break
-            if result.attempts > 1:  # a retry: who is alive now, not when this sync began
+            if result.attempts > 1 and not just_read:  # a retry: who is alive now, not when this sync began
                 self.refresh()
+            just_read = False
             mine = self.my_record()  # one state hash per attempt: hashing G and m is a pass over 2 x the model
             records = self.records.values()  # the peers at our state, and those downloading it: they join us
             expected = 1 + len(peers_with_state(records, mine)) + len(joining(records, mine))
@@ -339,6 +341,7 @@ class Synchronizer:
                     # the peers at our state began their sync after our matchmaking gave up on them (we had just
                     # adopted it and read a holder's record from its own catch-up a moment ago): they count on us
                     # now (``consensus.peers_with_state``); a round of ours first would miss their group
+                    just_read = True  # holders_syncing read the records just now
                     continue
                 elif self.stuck + 1 >= MAX_MISSED and voters(self.records.values(), mine) == 1:
                     self._apply_alone(tokens, result, mine)  # the others at our state went silent: we are alone
