@@ -7,8 +7,9 @@ whole grace window for it. The network knows sooner: when a peer's process dies,
 
 Only a refusal on every address counts. A dial that times out, a peer with no known address, or one that
 a previous failure put into libp2p's dial backoff says nothing: the peer may be cut off, slow, or behind a
-NAT, and it keeps its place in the expected group. So this can only shorten a wait for a peer that is
-certainly gone; it never drops a live one.
+NAT, and it keeps its place in the expected group. One live peer can look gone: one restarted on a new port
+(``tcp/0``) whose new address our daemon has not learned yet, while the old one refuses. It then misses this
+group and contributes at the next one, as any late peer does; no state forks.
 """
 
 from __future__ import annotations
