@@ -115,6 +115,7 @@ class SwarmAverager(DecentralizedAverager):
         self._traffic = mp.Array(ctypes.c_ulonglong, 2)  # written by the averager process, read by ours
         self.round_epoch = -1  # the epoch being synced, as set by prepare_round (averager process)
         self._rounds_prepared = 0  # prepare_round calls so far (averager process): a stale probe's round is over
+        self._probe_task: Optional[asyncio.Task] = None  # this round's liveness probe (averager process)
         self.has_moment = moment is not None
         tensors = [delta] + ([moment] if moment is not None else [])
         super().__init__(
@@ -171,8 +172,8 @@ class SwarmAverager(DecentralizedAverager):
             key_manager.update_key_on_group_assembled = _keep_round_key
             self._matchmaking.min_group_size = min_group
             self._set_target(max(expected_group, min_group))
-            if probe:
-                asyncio.create_task(self._stop_waiting_for_the_gone(probe, self._rounds_prepared))
+            if probe:  # the event loop holds tasks weakly: keep a reference until it ends
+                self._probe_task = asyncio.create_task(self._stop_waiting_for_the_gone(probe, self._rounds_prepared))
             future.set_result(None)
         except BaseException as e:
             future.set_exception(e)
