@@ -10,7 +10,7 @@
 - ``flat.py``       flat fp32 CPU vectors for G, m, pseudo-gradients and moments (pinned copies from GPUs)
 - ``outer.py``      GlobalState, its hash, the FMA-free Nesterov outer step
 - ``consensus.py``  fork choice, expected group, responsiveness, the swarm's schedule (over records)
-- ``liveness.py``   whether an expected peer's process is gone (every dial refused), not waiting for it
+- ``liveness.py``   whether an expected peer can be reached now (every dial refused or in backoff: not waited for)
 - ``sync.py``       one round's sync: catch up, average, apply
 - ``deadlines.py``  all-reduce deadlines that follow measured round times
 - ``contributions.py`` own recent deltas, re-contributed after losing a fork

@@ -4,7 +4,7 @@ It runs in its own process (hivemind's design), with the pseudo-gradient buffers
 What it adds to hivemind's averager:
 - ``prepare_round`` puts only peers holding the same (epoch, state hash) under one matchmaking key
   and tells the leader how many peers to expect, so a complete group forms without waiting the
-  whole grace window; an expected peer whose process is gone (``liveness.gone``) is no longer waited for;
+  whole grace window; an expected peer that cannot be reached (``liveness.gone``) is no longer waited for;
 - the all-reduce is ``ExactAllReduceRunner`` (members end bit-identical or the round fails), and it
   averages the inner first moment too on alignment rounds;
 - ``download_state`` fetches (G, m, metadata) from several donors at once, slice by slice, and
@@ -210,8 +210,9 @@ class SwarmAverager(DecentralizedAverager):
                 return
             target = max(matchmaking.target_group_size - len(dead), matchmaking.min_group_size)
             self._set_target(target)
-            logger.info(f"not waiting for {len(dead)} peer(s) at our state whose process is gone (every dial "
-                        f"refused): {', '.join(peer[-6:] for peer in dead)}; expecting a group of {target}")
+            logger.info(f"not waiting for {len(dead)} peer(s) at our state that cannot be reached (every dial "
+                        f"refused or in backoff): {', '.join(peer[-6:] for peer in dead)}; "
+                        f"expecting a group of {target}")
             if (matchmaking.is_looking_for_group and not matchmaking.client_mode and matchmaking.current_leader is None
                     and matchmaking.current_followers and not matchmaking.assembled_group.done()
                     and len(matchmaking.current_followers) + 1 >= target):

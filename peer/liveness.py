@@ -1,15 +1,19 @@
-"""Whether a peer's process is gone, asked of the network rather than of its DHT record.
+"""Whether an expected peer can be reached now, asked of the network rather than of its DHT record.
 
 A record says a peer is alive until its heartbeats have been missing for a few seconds (``consensus.responsive``),
 so a peer killed just before a sync is still expected in its group, and the matchmaking leader waits out the
 whole grace window for it. The network knows sooner: when a peer's process dies, its p2p daemon dies with it
 (``dht.node``), the kernel closes its listening socket, and a dial to any address of it is refused at once.
 
-Only a refusal on every address counts. A dial that times out, a peer with no known address, or one that
-a previous failure put into libp2p's dial backoff says nothing: the peer may be cut off, slow, or behind a
-NAT, and it keeps its place in the expected group. One live peer can look gone: one restarted on a new port
-(``tcp/0``) whose new address our daemon has not learned yet, while the old one refuses. It then misses this
-group and contributes at the next one, as any late peer does; no state forks.
+A peer counts as gone when a dial fails fast on every address: refused, or held back by libp2p's dial backoff,
+which follows any failed dial for a few seconds. Backoff counts because something else in our daemon (the DHT,
+hivemind's matchmaking) usually dials a dead peer first: measured, counting refusals alone found the dead peer
+only when the backoff expired, 6 s into a sync, past the default 5-s grace window. A dial that is merely slow
+(a far link: past PROBE_SECONDS), an open connection, or a peer with no known address counts as alive.
+
+A live peer can look gone: one we cannot dial right now (a link that just healed and is still in backoff, a peer
+restarted on a new ``tcp/0`` port whose new address our daemon has not learned). It can still dial us and join
+if it is in time; otherwise it contributes at the next group, as any late peer does. No state forks either way.
 """
 
 from __future__ import annotations
@@ -23,17 +27,18 @@ PROBE_SECONDS = 2.0  # a refusal comes within a round trip; anything slower is n
 PROBE_EVERY = 1.0  # seconds between dials to the same expected peer while a group forms
 
 
-def refused_everywhere(error: str) -> bool:
-    """True for libp2p's "all dials failed" where every address it tried refused the connection."""
+def failed_fast_everywhere(error: str) -> bool:
+    """True for libp2p's "all dials failed" where every address it tried refused the connection or was in
+    dial backoff."""
     if "all dials failed" not in error:
         return False
     attempts = [line for line in error.splitlines() if line.strip().startswith("* ")]
-    return bool(attempts) and all("connection refused" in line for line in attempts)
+    return bool(attempts) and all("connection refused" in line or "dial backoff" in line for line in attempts)
 
 
 async def gone(p2p: P2P, peer_ids: Sequence[str], timeout: float = PROBE_SECONDS) -> List[str]:
-    """Those of ``peer_ids`` whose every address refuses a connection now. A peer we are connected to
-    answers at once; so does a dead one."""
+    """Those of ``peer_ids`` whose every address fails a dial at once (``failed_fast_everywhere``). A peer we
+    are connected to answers at once; so does a dead one."""
 
     async def refuses(peer_id: str) -> bool:
         try:
@@ -43,7 +48,7 @@ async def gone(p2p: P2P, peer_ids: Sequence[str], timeout: float = PROBE_SECONDS
         except asyncio.TimeoutError:
             return False
         except Exception as e:
-            return refused_everywhere(str(e))
+            return failed_fast_everywhere(str(e))
         return False
 
     answers = await asyncio.gather(*(refuses(peer_id) for peer_id in peer_ids))
