@@ -289,7 +289,8 @@ class Synchronizer:
             just_read = False
             mine = self.my_record()  # one state hash per attempt: hashing G and m is a pass over 2 x the model
             records = self.records.values()  # the peers at our state, and those downloading it: they join us
-            expected = 1 + len(peers_with_state(records, mine)) + len(joining(records, mine))
+            holders = peers_with_state(records, mine)
+            expected = 1 + len(holders) + len(joining(records, mine))
             logger.debug(f"epoch {mine.epoch} {mine.state_hash[:6]}: expecting a group of {expected}; "
                          f"records {[(r.peer_id[-4:], r.epoch, r.state_hash[:6]) for r in self.records.values()]}")
             if expected == 1:  # nobody else holds our state: no one to average with now
@@ -308,10 +309,10 @@ class Synchronizer:
             attempt_started = time.monotonic()
             try:
                 # a holder killed just now still has a fresh record: ask the network whether it is gone
-                holders = [r.peer_id for r in peers_with_state(records, mine) if not r.client_mode]
                 self.averager.prepare_round(mine.epoch, mine.state_hash, max(2, self.run.quorum), expected,
                                             allreduce_timeout=self.deadlines.allreduce(1 + align),
-                                            part_timeout=self.deadlines.part(1 + align), probe=holders)
+                                            part_timeout=self.deadlines.part(1 + align),
+                                            probe=[r.peer_id for r in holders if not r.client_mode])
                 outcome = self._average(tokens, tokens * self.run.stale_discount ** missed_rounds, align, deadline,
                                         mine)
             except Exception as e:  # AllreduceException, TimeoutError, or anything the averager process hit
