@@ -2,7 +2,7 @@
 
     python -m bench.entropy --out bench/results/entropy.md [--seeds 0 1]
 
-Issue 6 asks for 1000x fewer bytes than data-parallel at M=4, H=100, int4; the sweep measures 604x. This
+Issue 6 asks for 1000x fewer bytes than data-parallel at M=4, H=100, int4; the sweep measures 602x. This
 bench asks whether entropy coding the int4 codes, which changes no value the replicas compute, could close
 that. It runs the sweep's centre (``bench.convergence``: its default budget, M, H, codec, error feedback and
 momentum alignment) through ``simulate()`` and looks at every vector a replica sends, encoded part by part

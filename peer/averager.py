@@ -150,8 +150,8 @@ class SwarmAverager(DecentralizedAverager):
                       allreduce_timeout: float, part_timeout: float, probe: Sequence[str] = ()) -> None:
         """Use this round's matchmaking key and deadlines. A leader closes the group as soon as
         ``expected_group`` peers joined, or when its grace window ends with at least ``min_group``; below
-        that, no group forms. Expected peers listed in ``probe`` are dialled meanwhile, and each one whose
-        process is gone is taken off the expected group."""
+        that, no group forms. Expected peers listed in ``probe`` are dialled meanwhile, and each one that
+        cannot be reached (``liveness.gone``) is taken off the expected group."""
         future = MPFuture()
         self._outer_pipe.send(("_prepare_round", [], dict(
             epoch=epoch, bits=round_bits(epoch, state_hash), min_group=min_group, expected_group=expected_group,
@@ -185,7 +185,7 @@ class SwarmAverager(DecentralizedAverager):
 
     async def _stop_waiting_for_the_gone(self, probe: List[str], round_number: int) -> None:
         """Through this round's matchmaking, dial the expected peers in ``probe`` every PROBE_EVERY seconds (a
-        live one we are connected to answers from our own daemon); each one whose process is gone comes off the
+        live one we are connected to answers from our own daemon); each one that cannot be reached comes off the
         expected group, and a leader that then holds every expected peer closes its group at once, as hivemind's
         does when the last expected follower joins."""
         loop = asyncio.get_event_loop()

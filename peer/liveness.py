@@ -40,7 +40,7 @@ async def gone(p2p: P2P, peer_ids: Sequence[str], timeout: float = PROBE_SECONDS
     """Those of ``peer_ids`` whose every address fails a dial at once (``failed_fast_everywhere``). A peer we
     are connected to answers at once; so does a dead one."""
 
-    async def refuses(peer_id: str) -> bool:
+    async def fails_fast(peer_id: str) -> bool:
         try:
             # hivemind's P2P has no public connect; its daemon client does (the daemon dials the peer's known
             # addresses, or reuses an open connection)
@@ -51,5 +51,5 @@ async def gone(p2p: P2P, peer_ids: Sequence[str], timeout: float = PROBE_SECONDS
             return failed_fast_everywhere(str(e))
         return False
 
-    answers = await asyncio.gather(*(refuses(peer_id) for peer_id in peer_ids))
-    return [peer_id for peer_id, refused in zip(peer_ids, answers) if refused]
+    answers = await asyncio.gather(*(fails_fast(peer_id) for peer_id in peer_ids))
+    return [peer_id for peer_id, failed in zip(peer_ids, answers) if failed]
