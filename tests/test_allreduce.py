@@ -78,7 +78,7 @@ def run_round(averagers, values, weights, deadlines=(30.0, 10.0)):
     return controls
 
 
-@pytest.mark.parametrize("codec", ["none", "fp16"])
+@pytest.mark.parametrize("codec", ["none", "fp16", "int4-huffman"])
 def test_members_end_bit_identical_with_the_weighted_mean(dhts, codec):
     averagers = make_averagers(dhts, f"exact_{codec}", codec)
     try:
@@ -92,14 +92,17 @@ def test_members_end_bit_identical_with_the_weighted_mean(dhts, codec):
                 results.append(delta.clone())
         assert all(torch.equal(results[0], other) for other in results[1:]), "members differ"
         expected = sum(w * v for w, v in zip(weights, values)) / sum(weights)
-        tolerance = {"none": 1e-6, "fp16": 2e-3}[codec]
-        torch.testing.assert_close(results[0], expected, rtol=0, atol=tolerance)
-        for outcome, averager in zip(outcomes, averagers):
-            assert len(outcome["gathered"]) == 3
-            sent, received = averager.traffic()
-            # each member sends 2/3 of its vector to the other reducers and returns its reduced third to both
-            expected = 2 * (2 / 3) * get_codec(codec).wire_bytes(SIZE)
-            assert 0.95 * expected < sent < 1.15 * expected and 0.95 * expected < received < 1.15 * expected
+        if codec == "int4-huffman":  # members' parts and the averages are quantized: ~17% each on a Gaussian
+            assert ((results[0] - expected).norm() / expected.norm()).item() < 0.3
+        else:
+            torch.testing.assert_close(results[0], expected, rtol=0, atol={"none": 1e-6, "fp16": 2e-3}[codec])
+        assert all(len(outcome["gathered"]) == 3 for outcome in outcomes)
+        # each part goes from its 2 other members to its reducer, and its average back to both: 4 encoded copies
+        # of the vector in all. (Per member it depends on how hivemind deals the parts: sized for int4-huffman's
+        # nominal 4 bits a value, they hold 131,072 values here, so the vector makes 2 and one member reduces none.)
+        copies = 4 * len(get_codec(codec).encode(values[0]))  # wire_bytes, but for entropy coding
+        sent, received = (sum(traffic) for traffic in zip(*(averager.traffic() for averager in averagers)))
+        assert 0.95 * copies < sent < 1.15 * copies and 0.95 * copies < received < 1.15 * copies
     finally:
         for averager in averagers:
             averager.shutdown()
