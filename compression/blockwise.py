@@ -88,10 +88,13 @@ class BlockwiseCodec(Codec):
 
     def _decode_reference(self, absmax: np.ndarray, codes: np.ndarray, numel: int) -> torch.Tensor:
         """The definition of decoding: code[index] * absmax, one float32 product per value."""
-        values = self.code.numpy()[self._indices(codes, numel)]
-        full = numel // self.block
+        return self._scale(self.code.numpy()[self._indices(codes, numel)], absmax)
+
+    def _scale(self, values: np.ndarray, absmax: np.ndarray) -> torch.Tensor:
+        """code values (fp32, one a value) times their block's absmax, in place: one float32 product each."""
+        full = len(values) // self.block
         values[: full * self.block].reshape(full, self.block)[:] *= absmax[:full, None]
-        if numel % self.block:
+        if len(values) % self.block:
             values[full * self.block:] *= absmax[full]
         return torch.from_numpy(values)
 
