@@ -35,7 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -521,7 +521,7 @@ def compare(real: float, simulated: List[float]) -> str:
 
 def multi_peer_report(metrics: List[List[dict]], simulations: Dict[str, List[SimulationResult]], args, argv,
                       log_dir: Path) -> str:
-    evaluations = real_evaluations(metrics)
+    evaluations, variant = real_evaluations(metrics), multi_peer_variant(args)
     reference = next(iter(simulations.values()))[0]
     epoch = max(e for e in evaluations if e in reference.eval_rounds)
     real = statistics.mean(evaluations[epoch])
@@ -531,7 +531,7 @@ def multi_peer_report(metrics: List[List[dict]], simulations: Dict[str, List[Sim
     simulated_sent = reference.bytes_sent[-1] / args.rounds
     command = shlex.join(["python", "-m", "bench.convergence", *argv])
     lines = [
-        "## Multi-peer check: the product against the simulation", "",
+        "## Multi-peer check: the product against the simulation" + (f" ({variant[1]})" if variant[1] else ""), "",
         f"Command: `{command}` (logs in {log_dir})", "",
         f"{args.peers} real `python -m peer` processes and a `python -m dht` bootstrap on loopback, started as the "
         f"tests start them (tests/swarm.py) with the product's default sync deadlines, and the run settings "
@@ -562,6 +562,15 @@ def multi_peer_report(metrics: List[List[dict]], simulations: Dict[str, List[Sim
               f"what a replica contributes), and the butterfly sends 2(M-1)/M of that: "
               f"{fmt_bytes(simulated_sent * 2 * (args.peers - 1) / args.peers)}."]
     return "\n".join(lines)
+
+
+def multi_peer_variant(args) -> Tuple[str, str]:
+    """The report section's name, and what its heading adds: the plain check (int4) has a section of its own, and
+    so does each variant of it."""
+    variants = [(flag, f"`--{flag}`") for flag, on in (("outer-lr-decay", args.peer_outer_lr_decay),) if on]
+    if args.compression != "int4":
+        variants.append((args.compression, f"`--compression {args.compression}`"))
+    return "".join(["multi-peer"] + [f"-{name}" for name, _ in variants]), ", ".join(text for _, text in variants)
 
 
 def multi_peer(args, argv) -> str:
@@ -631,7 +640,7 @@ def main(argv=None) -> int:
     title = "Convergence: DiLoCo against synchronous data-parallel training"
     if args.multi_peer:
         text = multi_peer(args, argv)
-        name = "multi-peer-outer-lr-decay" if args.peer_outer_lr_decay else "multi-peer"
+        name = multi_peer_variant(args)[0]
     else:
         runs = Runs(args.cache)
         rows, lone = run_sweep(args, runs), lone_replica(runs, args)
