@@ -2,9 +2,12 @@
 
     python -m bench.entropy --out bench/results/entropy.md [--seeds 0 1]
 
-Issue 6 asks for 1000x fewer bytes than data-parallel at M=4, H=100, int4; the sweep measures 602x. This
-bench asks whether entropy coding the int4 codes, which changes no value the replicas compute, could close
-that. It runs the sweep's centre (``bench.convergence``: its default budget, M, H, codec, error feedback and
+Issue 6 asks for 1000x fewer bytes than data-parallel at M=4, H=100, int4; the sweep measures 602x with NF4. This
+bench asks whether entropy coding NF4's codes, which changes no value the replicas compute, could close that. It
+cannot (671x at best, bench/results/entropy.md): NF4's levels fit a normal block, so its codes are used about
+equally. That is why ``int4-huffman`` (compression/huffman.py) codes a uniform int4 grid instead (1,116x).
+
+It runs the sweep's centre (``bench.convergence``: its default budget, M, H, codec, error feedback and
 momentum alignment) through ``simulate()`` and looks at every vector a replica sends, encoded part by part
 (``CHUNK_VALUES``) as the wire carries it:
 
