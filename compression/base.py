@@ -16,6 +16,7 @@ class Codec(ABC):
 
     name: str
     bits_per_value: float  # nominal wire cost per fp32 value, used to size parts before encoding
+    fixed_size = True  # encode's size depends on the count of values only (else wire_bytes is an upper bound)
 
     @abstractmethod
     def encode(self, values: torch.Tensor) -> bytes:
@@ -26,7 +27,7 @@ class Codec(ABC):
         """Decode ``numel`` values from ``data`` into a new 1-D fp32 tensor; ValueError if the size is wrong."""
 
     def wire_bytes(self, numel: int) -> int:
-        """Exact size of ``encode`` for ``numel`` values."""
+        """Size of ``encode`` for ``numel`` values: exact where ``fixed_size``."""
         return int(numel * self.bits_per_value) // 8
 
     def ratio(self) -> float:

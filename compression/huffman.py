@@ -42,6 +42,7 @@ class Int4HuffmanCodec(BlockwiseCodec):
 
     name = "int4-huffman"
     bits_per_value = 4.0  # nominal, and about the most it takes: sizes hivemind's parts before encoding
+    fixed_size = False
     block = 16384  # a divisor of CHUNK_VALUES and of hivemind's parts (2**21 values at 4 bits)
     code_bits = 4
 
