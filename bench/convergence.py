@@ -284,9 +284,10 @@ def find(rows: List[Row], label: str) -> Optional[Row]:
 def goal(rows: List[Row], args) -> str:
     centre = find(rows, "centre")
     codec = get_codec(args.compression)
-    how = f"Measured: {args.inner_steps * 32 / centre.ratio:.2f} bits a value a round, all sends included " \
-          f"({args.compression}'s size depends on the values it codes)."
-    if codec.fixed_size:
+    if not codec.fixed_size:
+        how = (f"Measured: {args.inner_steps * 32 / centre.ratio:.2f} bits a value a round, all sends included "
+               f"({args.compression}'s size depends on the values it codes).")
+    else:
         bits = 8 * codec.wire_bytes(1 << 20) / (1 << 20)
         ceiling = args.inner_steps * 32 / bits / (1 + 1 / args.align_every)
         how = (f"By construction: a replica sends one encoded pseudo-gradient every H={args.inner_steps} steps, "

@@ -176,11 +176,7 @@ class Int4Codec(BlockwiseCodec):
         return functional.dequantize_4bit(codes, state).reshape(-1)[:numel]
 
     def _indices(self, codes: np.ndarray, numel: int) -> np.ndarray:
-        return unpack_nibbles(codes, numel)
-
-
-def unpack_nibbles(packed: np.ndarray, numel: int) -> np.ndarray:
-    """Codes packed two a byte, the first of each pair in the high nibble (as bitsandbytes packs them)."""
-    pairs = np.empty(2 * len(packed), dtype=np.uint8)
-    pairs[0::2], pairs[1::2] = packed >> 4, packed & 0x0F
-    return pairs[:numel]
+        # bitsandbytes packs the first value of each pair into the high nibble
+        pairs = np.empty(2 * len(codes), dtype=np.uint8)
+        pairs[0::2], pairs[1::2] = codes >> 4, codes & 0x0F
+        return pairs[:numel]

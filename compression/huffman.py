@@ -61,9 +61,9 @@ class Int4HuffmanCodec(BlockwiseCodec):
     def encode(self, values: torch.Tensor) -> bytes:
         values = self._check_input(values)
         numel, blocks = values.numel(), self.blocks(values.numel())
-        padded = torch.zeros(blocks * self.block)
-        padded[:numel] = values
-        rows = padded.view(blocks, self.block)
+        if numel % self.block:  # the last block padded with zeros (code 7, dropped by decode)
+            values = torch.cat([values, values.new_zeros(blocks * self.block - numel)])
+        rows = values.view(blocks, self.block)
         absmax = rows.abs().amax(dim=1)
         scale = torch.where(absmax > 0, LEVELS / absmax, torch.zeros_like(absmax))
         steps = torch.nan_to_num(torch.round(rows * scale[:, None])).clamp_(-LEVELS, LEVELS)
