@@ -54,9 +54,10 @@ class Int4HuffmanCodec(BlockwiseCodec):
         return torch.arange(-LEVELS, 16 - LEVELS, dtype=torch.float32) / LEVELS
 
     def wire_bytes(self, numel: int) -> int:
-        """An upper bound: the scales, the packed codes, and deflate's worst case over them (stored blocks)."""
+        """An upper bound: the scales, plus zlib's conservative ``deflateBound`` (the one it gives for non-default
+        settings, as ours are) over the packed codes."""
         packed = (numel + 1) // 2
-        return 4 * self.blocks(numel) + packed + 5 * (packed // 16383 + 1)
+        return 4 * self.blocks(numel) + packed + (packed + 7) // 8 + (packed + 63) // 64 + 5
 
     def encode(self, values: torch.Tensor) -> bytes:
         values = self._check_input(values)
