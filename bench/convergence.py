@@ -311,7 +311,8 @@ def entropy_coded(rows: List[Row], centre: Row) -> List[str]:
         return []
     per_seed = [100 * (r.eval_losses[-1] / c.eval_losses[-1] - 1) for r, c in zip(row.results, centre.results)]
     bits = row.cell.inner_steps * 32 / row.ratio  # data-parallel's 32 bits a value a step, over the ratio
-    return [f"- The centre with `int4-huffman` instead (4-bit integers too, a uniform grid in blocks of 16384, "
+    return [f"- The centre with `int4-huffman` instead (4-bit integers too, a uniform grid in blocks of "
+            f"{get_codec('int4-huffman').block}, "
             f"their codes Huffman-coded): data-parallel sends **{row.ratio:,.0f}x** its bytes (goal: "
             f"**{'met' if row.ratio >= 1000 else 'not met'}**), measured, not by construction: {bits:.2f} bits a "
             f"value a round, all sends included. Eval-loss gap **{row.gap:+.2f}%**; its eval loss differs by "
