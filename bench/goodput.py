@@ -11,7 +11,11 @@ daemon). The clock starts once every peer has finished its first round and runs 
 - ``kill``: about every 2 rounds, SIGKILL a random live peer (``random.Random(0)``; one that has finished a
   round since it last started, so not one still importing torch) and restart it one round later from the
   same --checkpoint-dir (same peer id, resumes its epoch and catches up);
-- ``freeze``: every 3 rounds, SIGSTOP one peer (in turn) for 30 s, then SIGCONT; never two at once.
+- ``freeze``: about every 3 rounds, SIGSTOP one peer (in turn) for 30 s, then SIGCONT; never two at once.
+
+"About every N rounds": each gap is drawn uniformly from N-0.5 to N+0.5 rounds, so that faults fall at every
+phase of a round (inner steps, matchmaking, all-reduce, checkpoint write) rather than always at the one the
+first fault happened to hit; the mean gap stays N rounds.
 
 A round is the swarm's measured median round: per peer, the median of its recent gaps between metrics
 records, then the median over peers, re-measured at every fault (``round_seconds``).
@@ -54,7 +58,8 @@ from typing import Dict, List, Optional
 from tests.swarm import MADDR, Proc, read_metrics, wait_until
 
 SCHEDULES = ("none", "kill", "freeze")
-KILL_EVERY, FREEZE_EVERY = 2, 3  # rounds
+KILL_EVERY, FREEZE_EVERY = 2, 3  # rounds, on average
+JITTER = 0.5  # rounds either way
 FREEZE_SECONDS = 30.0
 POLL_SECONDS = 5.0  # longest sleep between looks at the peers, when no event is due sooner
 RECENT = 6  # records per peer that the round length is measured over
@@ -245,7 +250,10 @@ def inject(schedule: str, swarm: Swarm, end: float, rng: random.Random) -> List[
     dead: Dict[int, float] = {}  # peer -> when to restart it
     frozen: Optional[Fault] = None
     every = {"kill": KILL_EVERY, "freeze": FREEZE_EVERY}.get(schedule)
-    next_fault = time.time() + every * round_seconds(swarm.records()) if every else float("inf")
+    def gap(length: float) -> float:
+        return rng.uniform(every - JITTER, every + JITTER) * length
+
+    next_fault = time.time() + gap(round_seconds(swarm.records())) if every else float("inf")
     while time.time() < end:
         now = time.time()
         for i, at in sorted(dead.items()):
@@ -267,12 +275,12 @@ def inject(schedule: str, swarm: Swarm, end: float, rng: random.Random) -> List[
                 swarm.signal_group(victim, signal.SIGKILL)
                 dead[victim] = now + length
                 faults.append(Fault("kill", victim, now, dead[victim]))
-                next_fault = now + KILL_EVERY * length
+                next_fault = now + gap(length)
             else:
                 frozen = Fault("freeze", len(faults) % len(swarm.peers), now, now + FREEZE_SECONDS)
                 swarm.signal_group(frozen.peer, signal.SIGSTOP)
                 faults.append(frozen)
-                next_fault = max(now + FREEZE_EVERY * length, frozen.end)
+                next_fault = max(now + gap(length), frozen.end)
         due = [end, next_fault, *dead.values(), *([frozen.end] if frozen else [])]
         time.sleep(max(0.0, min(min(due) - time.time(), POLL_SECONDS)))
     return faults
