@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     trainer = InnerTrainer(torch.nn.parallel.DistributedDataParallel(model), run, torch.device("cpu"),
                            min_step_seconds=args.min_step_seconds)
     step = 0
+    os.makedirs(args.checkpoint_dir, exist_ok=True)
     payload = load_checkpoint(args.checkpoint_dir)
     if payload is not None:
         model.load_state_dict(payload["model"])
@@ -69,8 +70,10 @@ def main(argv=None) -> int:
         stats = trainer.train(batches, run.inner_steps, step)
         step += stats.steps
         if args.rank == 0:
-            save_checkpoint(args.checkpoint_dir, dict(model=model.state_dict(),
-                                                      optimizer=trainer.optimizer.state_dict(), step=step))
+            if not save_checkpoint(args.checkpoint_dir, dict(model=model.state_dict(),
+                                                             optimizer=trainer.optimizer.state_dict(), step=step)):
+                # a baseline that cannot checkpoint would restart from scratch at every kill: a wrong result
+                raise SystemExit(f"rank 0: checkpoint not written to {args.checkpoint_dir}: the baseline is void")
             record = dict(time=time.time(), epoch=step // run.inner_steps, loss=stats.loss,
                           tokens=stats.tokens * args.world_size, tokens_total=step * tokens_per_step,
                           compute_seconds=stats.compute_seconds, sync_seconds=0.0, applied=True, error=None)

@@ -1,0 +1,33 @@
+"""The benchmarks' own parts that a wrong result would hide in: here, the data-parallel baseline's restart."""
+
+import sys
+
+from tests.swarm import Proc, read_metrics, wait_until
+
+ROUND_STEPS, BATCH, SEQ = 2, 2, 256  # the tiny preset's sequence length
+
+
+def test_the_data_parallel_baseline_resumes_from_its_checkpoint(tmp_path):
+    """bench.goodput charges data-parallel training for restarting from its last checkpoint at every failure;
+    a baseline that never wrote one (its directory did not exist) restarted from step 0 instead, so a killed
+    job's work since the start was lost, not just since its last checkpoint. A relaunched rank must resume:
+    its first record's tokens_total continues from the checkpointed one."""
+    metrics = tmp_path / "rank0.jsonl"
+    args = [sys.executable, "-m", "bench.sync_worker", "--rank", "0", "--world-size", "1", "--port", "0",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-file", str(metrics),
+            "--inner-steps", str(ROUND_STEPS), "--batch-size", str(BATCH)]
+    first = Proc(args, tmp_path, "launch1")
+    try:
+        wait_until(lambda: len(read_metrics(metrics)) >= 2 or not first.alive(), 120, "two checkpointed rounds")
+    finally:
+        first.kill_group()
+    assert (tmp_path / "ckpt" / "state.pt").exists(), first.stderr[-3000:]
+    saved = read_metrics(metrics)
+    second = Proc(args, tmp_path, "launch2")
+    try:
+        wait_until(lambda: len(read_metrics(metrics)) > len(saved) or not second.alive(), 120, "a resumed round")
+    finally:
+        second.kill_group()
+    resumed = read_metrics(metrics)[len(saved)]
+    per_round = ROUND_STEPS * BATCH * SEQ
+    assert resumed["tokens_total"] >= saved[-1]["tokens_total"] + per_round, (resumed, saved, second.stderr[-3000:])
