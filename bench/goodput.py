@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import random
 import shlex
@@ -376,12 +377,13 @@ def table(results: List[dict]) -> str:
         base = next((b for b in results if (b["system"], b["schedule"]) == (r["system"], "none")),
                     dict(goodput=float("nan"), between=float("nan")))
         swarm = r["system"] == "swarm"
+        between = (f"{r['between']:,.0f} | {r['between'] / base['between']:.0%}" if math.isfinite(r["between"])
+                   else "- | -")  # fewer than two merges in the window, or tokens_total fell (a restart)
+        vs_swarm = f"{r['goodput'] / swarm_base:.0%}" if math.isfinite(swarm_base) else "-"  # no swarm rows
+        sync = f"{r['median_sync']:.2f} | {r['worst_sync']:.1f}" if swarm else "- | -"
         lines.append(f"| {r['system']} | {r['schedule']} | {r['faults']} | {r['restarts']} | {r['goodput']:,.0f} | "
-                     f"{r['goodput'] / base['goodput']:.0%} | {r['goodput'] / swarm_base:.0%} | "
-                     f"{r['between']:,.0f} | {r['between'] / base['between']:.0%} | "
-                     f"{r['ratio']:.2f} | {r['rounds']} | " +
-                     (f"{r['median_sync']:.2f} | {r['worst_sync']:.1f}" if swarm else "- | -") +
-                     f" | {r['loss']:.3f} |")
+                     f"{r['goodput'] / base['goodput']:.0%} | {vs_swarm} | {between} | "
+                     f"{r['ratio']:.2f} | {r['rounds']} | {sync} | {r['loss']:.3f} |")
     return "\n".join(lines)
 
 
