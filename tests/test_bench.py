@@ -2,9 +2,10 @@
 
 import sys
 
+from peer.model import PRESETS
 from tests.swarm import Proc, read_metrics, wait_until
 
-ROUND_STEPS, BATCH, SEQ = 2, 2, 256  # the tiny preset's sequence length
+ROUND_STEPS, BATCH = 2, 2
 
 
 def test_the_data_parallel_baseline_resumes_from_its_checkpoint(tmp_path):
@@ -29,5 +30,5 @@ def test_the_data_parallel_baseline_resumes_from_its_checkpoint(tmp_path):
     finally:
         second.kill_group()
     resumed = read_metrics(metrics)[len(saved)]
-    per_round = ROUND_STEPS * BATCH * SEQ
+    per_round = ROUND_STEPS * BATCH * PRESETS["tiny"].seq_len  # the worker's default model
     assert resumed["tokens_total"] >= saved[-1]["tokens_total"] + per_round, (resumed, saved, second.stderr[-3000:])
