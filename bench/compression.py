@@ -30,7 +30,7 @@ from hivemind.compression import (
 from bench.simulation import simulate
 from compression import CODECS, get_codec
 from peer.config import RunConfig
-from peer.model import build_model, count_parameters
+from peer.train.model import build_model, count_parameters
 
 SIZES = {"1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26}
 

@@ -43,7 +43,8 @@ import torch
 from bench.simulation import SimulationResult, data_parallel, round_steps, simulate
 from compression import get_codec
 from peer.config import RunConfig, SyncConfig
-from peer.model import PRESETS, build_model, count_parameters
+from peer.presets import PRESETS
+from peer.train.model import build_model, count_parameters
 
 MODEL = "micro"
 AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "outer-lr-decay", "averaging", "warm-start")
@@ -407,7 +408,7 @@ def plot(rows: List[Row], path: Path) -> None:
 def setup(args) -> str:
     numel = count_parameters(build_model(MODEL, 256, args.seq_len, 0))
     preset = PRESETS[MODEL]
-    from peer.data import ByteTokenizer, load_corpus
+    from peer.train.data import ByteTokenizer, load_corpus
 
     corpus = load_corpus("shakespeare", ByteTokenizer(), args.seq_len, RunConfig().eval_fraction)
     eval_tokens = min(len(corpus.held_out) // args.seq_len, args.eval_batches * args.batch_size) * args.seq_len

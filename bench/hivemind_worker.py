@@ -29,8 +29,8 @@ from hivemind.compression import Float16Compression
 
 from dht.node import DHTConfig, start_dht
 from peer.config import RunConfig
-from peer.data import load_corpus, load_tokenizer
-from peer.model import build_model
+from peer.train.data import load_corpus, load_tokenizer
+from peer.train.model import build_model
 
 AVERAGED = re.compile(r"Averaged parameters with (\d+) peers")
 

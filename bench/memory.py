@@ -71,8 +71,8 @@ def plain(model: str, steps: int, device: str, threads: int) -> dict:
     import torch
 
     from peer.config import NodeConfig, RunConfig
-    from peer.data import batch_iterator
-    from peer.node import build_trainer
+    from peer.train.build import build_trainer
+    from peer.train.data import batch_iterator
 
     torch.set_num_threads(threads)
     run = RunConfig.from_settings(RunConfig(model=model).to_settings())

@@ -21,13 +21,13 @@ import torch
 
 from compression import Codec, get_codec
 from compression.feedback import CHUNK_VALUES, ErrorFeedback, roundtrip
+from peer.averaging.robust import robust_mean
 from peer.config import RunConfig
-from peer.data import ByteTokenizer, load_corpus
-from peer.flat import FlatLayout
-from peer.inner import InnerTrainer
-from peer.model import build_model
-from peer.outer import nesterov_step
-from peer.robust import robust_mean
+from peer.outer.nesterov import nesterov_step
+from peer.train.data import ByteTokenizer, load_corpus
+from peer.train.flat import FlatLayout
+from peer.train.inner import InnerTrainer
+from peer.train.model import build_model
 
 
 @dataclass

@@ -22,11 +22,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from peer.checkpoint import load_checkpoint, save_checkpoint
 from peer.config import RunConfig
-from peer.data import load_corpus, load_tokenizer
-from peer.inner import InnerTrainer
-from peer.model import build_model
+from peer.ops.checkpoint import load_checkpoint, save_checkpoint
+from peer.train.data import load_corpus, load_tokenizer
+from peer.train.inner import InnerTrainer
+from peer.train.model import build_model
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # outlasts a 30 s freeze: the job waits, as DDP does
 

@@ -19,7 +19,7 @@ from dht.cli import add_arguments, explicit_values, from_args
 from dht.errors import UserError
 from dht.node import DHTConfig
 from peer.config import NodeConfig, RunConfig, SyncConfig
-from peer.report import fail
+from peer.ops.report import fail
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
@@ -48,15 +48,16 @@ def setup_logging(verbose: bool) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("status", "plot"):
-        command = importlib.import_module(f"peer.{argv[0]}")
+        command = importlib.import_module(f"peer.ops.{argv[0]}")
         return command.main(argv[1:])
     try:
         run_flags, node, sync, net = parse_args(argv)
     except (UserError, ValueError) as e:
         return fail(str(e))
     setup_logging(node.verbose)
-    from peer.island import Island  # imports torch and hivemind: after the flags are known to be fine
-    from peer.node import Peer, run_follower
+    from peer.round.node import Peer
+    from peer.train.build import run_follower
+    from peer.train.island import Island  # imports torch and hivemind: after the flags are known to be fine
 
     peer = None
     try:

@@ -8,25 +8,14 @@ and is filled in by ``RunConfig.resolved()`` before the manifest is written.
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 from compression import CODECS
 from dht.cli import opt, require_non_negative, require_positive
-from peer.model import PRESETS
-
-
-def portable_cos(x: float) -> float:
-    """cos(x) for x in [0, pi] from IEEE double +, * and / alone (its Taylor series, to below 1e-15), so that
-    every machine gets the same bits: libm's cos may differ in the last bit between platforms, and the outer
-    lr must not (members apply the same outer step bit for bit)."""
-    term, total, square = 1.0, 1.0, x * x
-    for k in range(1, 24):
-        term = -term * square / ((2 * k - 1) * (2 * k))
-        total += term
-    return total
+from peer.outer.schedule import cosine_factor, portable_cos
+from peer.presets import PRESETS
 
 
 @dataclass(frozen=True)
@@ -85,16 +74,16 @@ class RunConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
-    def lr_factor(self, global_step: int, cos: Callable[[float], float] = math.cos) -> float:
-        """The cosine decay at a global inner step (epoch x H): 1 at the start, ``min_lr_ratio`` from
-        ``lr_decay_steps`` on."""
-        progress = min(1.0, global_step / max(self.lr_decay_steps, 1))
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + cos(math.pi * progress))
+    def lr_factor(self, global_step: int) -> float:
+        """The inner lr's cosine decay at a global inner step (epoch x H) (``peer/outer/schedule.py``)."""
+        return cosine_factor(global_step, self.lr_decay_steps, self.min_lr_ratio)
 
     def outer_lr_at(self, global_step: int) -> float:
         """The outer lr of the step that closes the round begun at ``global_step``: a function of the epoch
-        alone, so every member of a group computes the same one."""
-        return self.outer_lr * (self.lr_factor(global_step, portable_cos) if self.outer_lr_decay else 1.0)
+        alone, so every member of a group computes the same one (on every machine: ``portable_cos``)."""
+        if not self.outer_lr_decay:
+            return self.outer_lr
+        return self.outer_lr * cosine_factor(global_step, self.lr_decay_steps, self.min_lr_ratio, portable_cos)
 
     def resolved(self) -> "RunConfig":
         """Fill every preset-dependent default, so the manifest pins concrete values."""

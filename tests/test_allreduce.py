@@ -12,9 +12,9 @@ from hivemind.utils import get_dht_time
 
 from compression import get_codec
 from dht.node import LOOPBACK, DHTConfig, start_dht
-from peer.allreduce import ExactAllReduceRunner, GroupLostMember
-from peer.averager import SwarmAverager
-from peer.outer import state_hash
+from peer.averaging.allreduce import ExactAllReduceRunner, GroupLostMember
+from peer.averaging.averager import SwarmAverager
+from peer.outer.state import state_hash
 
 pytestmark = pytest.mark.slow
 SIZE = 200_003

@@ -2,7 +2,7 @@
 
 import sys
 
-from peer.model import PRESETS
+from peer.presets import PRESETS
 from tests.swarm import Proc, read_metrics, wait_until
 
 ROUND_STEPS, BATCH = 2, 2

@@ -7,9 +7,9 @@ import subprocess
 import pytest
 import torch
 
-import peer.checkpoint as checkpoint
+import peer.ops.checkpoint as checkpoint
 from dht.errors import UserError
-from peer.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from peer.ops.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 
 
 def test_round_trip(tmp_path):

@@ -10,7 +10,8 @@ from dht.cli import add_arguments, explicit_values, from_args
 from dht.manifest import RunManifest
 from dht.node import DHTConfig
 from peer.__main__ import parse_args
-from peer.config import NodeConfig, RunConfig, SyncConfig, portable_cos
+from peer.config import NodeConfig, RunConfig, SyncConfig
+from peer.outer.schedule import portable_cos
 
 
 def test_required_flags_exist_with_help():

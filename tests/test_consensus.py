@@ -3,7 +3,7 @@
 import dataclasses
 
 from dht.records import PeerRecord
-from peer.consensus import (
+from peer.swarm.consensus import (
     CLOCK_SLACK,
     HEARTBEAT_MISSES,
     MAX_MISSED,

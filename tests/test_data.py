@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from peer.data import ByteTokenizer, GPT2Tokenizer, HFCorpus, load_corpus, shakespeare_files
+from peer.train.data import ByteTokenizer, GPT2Tokenizer, HFCorpus, load_corpus, shakespeare_files
 
 
 @pytest.fixture(scope="module")

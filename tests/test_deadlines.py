@@ -1,6 +1,6 @@
 """All-reduce deadlines follow measured times: a frozen groupmate costs seconds, not the configured minute."""
 
-from peer.deadlines import Deadlines
+from peer.swarm.deadlines import Deadlines
 
 
 def test_ceiling_until_something_is_measured_then_a_multiple_of_the_median_with_a_floor():

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from dht.node import LOOPBACK, DHTConfig, start_dht
-from peer.liveness import failed_fast_everywhere, gone
+from peer.averaging.liveness import failed_fast_everywhere, gone
 
 PEER = "12D3KooWLtvT7fvQVPbUxsm1dKmsRAXtE2xfBX1JDLrLWmCrpZao"
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import torch
 
-from peer.flat import FlatLayout
-from peer.local import LocalModel
+from peer.train.flat import FlatLayout
+from peer.train.local import LocalModel
 
 
 def make(values):

@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from peer.data import load_tokenizer
-from peer.model import PRESETS, build_model, count_parameters, model_config
+from peer.presets import PRESETS
+from peer.train.data import load_tokenizer
+from peer.train.model import build_model, count_parameters, model_config
 
 
 @pytest.mark.parametrize("preset, low, high", [("tiny", 2e6, 5e6), ("small", 8e6, 15e6),

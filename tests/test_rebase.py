@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import torch
 
 from peer.config import RunConfig, SyncConfig
-from peer.flat import FlatLayout
-from peer.outer import GlobalState, state_hash
-from peer.sync import Synchronizer
+from peer.outer.state import GlobalState, state_hash
+from peer.round.sync import Synchronizer
+from peer.train.flat import FlatLayout
 
 
 def make(theta_values, g_values):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from peer.robust import robust_mean
+from peer.averaging.robust import robust_mean
 
 
 def honest(n, size=1000, seed=0):

@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from peer.sync import RESUMED_MERGED
+from peer.round.sync import RESUMED_MERGED
 from tests.swarm import Swarm, assert_groups_agree, assert_loss_fell, by_epoch, wait_until
 
 pytestmark = pytest.mark.slow

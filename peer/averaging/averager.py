@@ -34,9 +34,9 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from compression import Codec
 from dht.node import init_child_process
-from peer.allreduce import ExactAllReduceRunner, GroupLostMember, MaybeApplied, MinorityGroup, NoMajority
-from peer.consensus import majority_elsewhere, minority
-from peer.liveness import PROBE_EVERY, PROBE_SECONDS, gone
+from peer.averaging.allreduce import ExactAllReduceRunner, GroupLostMember, MaybeApplied, MinorityGroup, NoMajority
+from peer.averaging.liveness import PROBE_EVERY, PROBE_SECONDS, gone
+from peer.swarm.consensus import majority_elsewhere, minority
 
 logger = logging.getLogger(__name__)
 

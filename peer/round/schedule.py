@@ -22,8 +22,8 @@ from typing import Callable, Optional
 from hivemind.utils import get_dht_time
 
 from peer.config import RunConfig
-from peer.consensus import peers_with_state, round_target
-from peer.sync import Synchronizer
+from peer.round.sync import Synchronizer
+from peer.swarm.consensus import peers_with_state, round_target
 
 WATCH_INTERVAL = 1.0  # seconds between looks at the swarm while a round is not lined up
 

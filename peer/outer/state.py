@@ -1,10 +1,5 @@
-"""The outer optimizer and the global state it updates: plain functions on CPU fp32 tensors.
-
-Bit-identical results on every group member need every member to run the same IEEE operations in
-the same order. Each operation here is a single rounded op (mul, add, sub); none is a fused
-multiply-add (``add_(x, alpha=a)`` may compile to FMA on one CPU and not on another). It all runs on
-the CPU in fp32, in chunks so memory stays at one chunk beyond the state itself.
-"""
+"""The global state a peer holds, (G, m, e) and its lineage, and its hash: what every group member must agree on
+bit for bit. The outer step that updates it is ``peer/outer/nesterov.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +11,6 @@ from typing import Dict, Iterable
 import numpy as np
 import torch
 
-CHUNK = 1 << 22  # values per chunk of the outer step: 16 MiB of temporaries at most
 MERGED_HISTORY = 256  # peers remembered in GlobalState.merged
 
 
@@ -58,24 +52,6 @@ def state_hash(params: torch.Tensor, momentum: torch.Tensor, epoch: int) -> str:
         digest.update(memoryview(tensor.numpy()).cast("B"))
     digest.update(np.int64(epoch).tobytes())
     return digest.hexdigest()[:16]
-
-
-@torch.no_grad()
-def nesterov_step(params: torch.Tensor, momentum: torch.Tensor, delta: torch.Tensor, lr: float, mu: float) -> None:
-    """Outer Nesterov SGD on the averaged pseudo-gradient, in place (DiLoCo, arXiv 2311.08105):
-
-        m <- mu * m + delta
-        G <- G - lr * (delta + mu * m)
-
-    the same update as torch.optim.SGD(nesterov=True), written without fused ops.
-    """
-    for start in range(0, params.numel(), CHUNK):
-        g, m, d = (t[start : start + CHUNK] for t in (params, momentum, delta))
-        m.mul_(mu).add_(d)
-        update = torch.mul(m, mu)
-        update.add_(d)
-        update.mul_(lr)
-        g.sub_(update)
 
 
 def merge_contributors(merged: Dict[str, int], peers: Iterable[str], epoch: int) -> Dict[str, int]:

@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from peer.trackers import Trackers
+from peer.ops.trackers import Trackers
 
 
 def human_bytes(count: float) -> str:

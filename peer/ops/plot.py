@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from peer.report import fail
+from peer.ops.report import fail
 
 NEEDED = ("epoch", "time", "loss", "tokens", "group_size", "bytes_sent")
 

@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
-from peer.flat import FlatLayout
-from peer.inner import InnerTrainer
+from peer.train.flat import FlatLayout
+from peer.train.inner import InnerTrainer
 
 
 class LocalModel:

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from dht.addresses import parse_maddrs
 from dht.errors import UserError
-from peer.report import fail, human_bytes
+from peer.ops.report import fail, human_bytes
 
 WATCH_SECONDS = 5.0
 LOOKUP_TIMEOUT = 10.0

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dht.errors import UserError, first_line
-from peer.data import batch_iterator
+from peer.train.data import batch_iterator
 
 STEP, TOKENS, CHECK, STOP = range(4)
 

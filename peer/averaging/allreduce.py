@@ -30,7 +30,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from compression import Codec
-from peer.robust import Offence, robust_mean
+from peer.averaging.robust import Offence, robust_mean
 
 FaultHook = Callable[[str], None]
 

@@ -27,22 +27,21 @@ from dht.errors import UserError
 from dht.manifest import MANIFEST_TTL, RunManifest, join_or_create, publish_manifest, run_namespace
 from dht.node import DHTConfig, signing_identity, start_dht, visible_maddrs
 from dht.validation import run_validators
-from peer.averager import SwarmAverager
-from peer.checkpoint import load_checkpoint, save_checkpoint
+from peer.averaging.averager import SwarmAverager
 from peer.config import NodeConfig, RunConfig, SyncConfig
-from peer.consensus import LEAVING
-from peer.data import load_corpus, load_tokenizer
 from peer.faults import FaultPlan
-from peer.flat import FlatLayout
-from peer.inner import InnerTrainer
-from peer.island import Island, island_batches
-from peer.local import LocalModel
-from peer.model import build_model, count_parameters
-from peer.outer import GlobalState
-from peer.report import Reporter
-from peer.schedule import RoundClock
-from peer.sync import Synchronizer, SyncResult
-from peer.trackers import Trackers
+from peer.ops.checkpoint import load_checkpoint, save_checkpoint
+from peer.ops.report import Reporter
+from peer.ops.trackers import Trackers
+from peer.outer.state import GlobalState
+from peer.round.schedule import RoundClock
+from peer.round.sync import Synchronizer, SyncResult
+from peer.swarm.consensus import LEAVING
+from peer.train.build import build_trainer
+from peer.train.flat import FlatLayout
+from peer.train.island import Island, island_batches
+from peer.train.local import LocalModel
+from peer.train.model import count_parameters
 
 logger = logging.getLogger(__name__)
 RECORD_TTL = 60.0  # seconds a peer record lives without a refresh (at least)
@@ -462,39 +461,6 @@ class Peer:
         for component in (self.averager, self.dht):
             if component is not None and component.is_alive():
                 component.shutdown()
-
-
-def build_trainer(run: RunConfig, node: NodeConfig, island: Optional[Island] = None):
-    """The corpus and the inner trainer of ``run`` on this node's device (each rank of an island calls it)."""
-    tokenizer = load_tokenizer(run.tokenizer)
-    corpus = load_corpus(run.dataset, tokenizer, run.seq_len, run.eval_fraction, run.dataset_config,
-                         text_field=run.text_field)
-    if island is not None:
-        device = island.device
-    elif node.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(node.device)
-    model = build_model(run.model, tokenizer.vocab_size, run.seq_len, run.seed)
-    trainer = InnerTrainer(model, run, device, node.micro_batch, node.min_step_seconds, island=island,
-                           compile=node.compile)
-    return corpus, trainer
-
-
-def run_follower(island: Island, node: NodeConfig) -> int:
-    """Ranks 1..n-1 of an island: the run's settings from rank 0, the same trainer, then rank 0's commands."""
-    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the island stops, and tells the others
-        signal.signal(sig, signal.SIG_IGN)
-    if node.threads:
-        torch.set_num_threads(node.threads)
-    setup = island.share(None)
-    if setup is None:
-        return 0  # rank 0 stopped before training (it said why)
-    run = RunConfig.from_settings(setup["settings"])
-    corpus, trainer = build_trainer(run, node, island)
-    stream = corpus.stream(run.seed, setup["shard_key"], island.share(None))
-    island.follow(trainer, island_batches(stream, run.batch_size, island))
-    return 0
 
 
 class InFlight:

@@ -33,10 +33,13 @@ from compression.feedback import ErrorFeedback
 from dht.errors import first_line
 from dht.node import reach_out
 from dht.records import PeerRecord, RecordPublisher, fetch_records
-from peer.allreduce import MaybeApplied, MinorityGroup, NoMajority
-from peer.averager import SwarmAverager
+from peer.averaging.allreduce import MaybeApplied, MinorityGroup, NoMajority
+from peer.averaging.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
-from peer.consensus import (
+from peer.outer.contributions import Contributions
+from peer.outer.nesterov import nesterov_step
+from peer.outer.state import GlobalState, merge_contributors, state_hash
+from peer.swarm.consensus import (
     MAX_MISSED,
     SYNCING,
     awaiting_state,
@@ -49,12 +52,10 @@ from peer.consensus import (
     syncing_now,
     voters,
 )
-from peer.contributions import Contributions
-from peer.deadlines import Deadlines
-from peer.flat import FlatLayout
-from peer.inner import InnerTrainer
-from peer.local import LocalModel
-from peer.outer import GlobalState, merge_contributors, nesterov_step, state_hash
+from peer.swarm.deadlines import Deadlines
+from peer.train.flat import FlatLayout
+from peer.train.inner import InnerTrainer
+from peer.train.local import LocalModel
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,8 @@
+"""What a peer leaves behind and shows: checkpoints, progress, metrics, trackers, and the swarm's status.
+
+- ``checkpoint.py``  atomic checkpoints
+- ``report.py``      progress bar, round summary, metrics JSON lines
+- ``trackers.py``    TensorBoard and Weights & Biases
+- ``status.py``      ``python -m peer status``: the swarm's peers, epochs, losses and forks
+- ``plot.py``        ``python -m peer plot``: loss, group size and bytes per round, per peer
+"""

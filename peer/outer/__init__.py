@@ -1,0 +1,7 @@
+"""The outer optimizer and the global state: pure tensors on the CPU in fp32, the same bits on every member.
+
+- ``state.py``          ``GlobalState`` (G, m, e, tokens, lineage) and ``state_hash``
+- ``nesterov.py``       the FMA-free Nesterov outer step
+- ``schedule.py``       the inner and outer lr schedules (a portable cosine)
+- ``contributions.py``  this peer's own recent deltas, re-contributed after losing a fork
+"""

@@ -1,0 +1,10 @@
+"""Local training: everything a peer does between two syncs, on its own device. Nothing here touches the network.
+
+- ``model.py``   a Llama preset built from its transformers config
+- ``data.py``    tokenizers, bundled/local/streamed text, held-out split, per-peer order
+- ``inner.py``   the inner AdamW loop (warmup + cosine, clipping, accumulation, bf16 on GPU)
+- ``island.py``  a multi-process peer under torchrun: DDP inside, rank 0 speaks for the island
+- ``flat.py``    flat fp32 CPU vectors for G, m, pseudo-gradients and moments (pinned copies from GPUs)
+- ``local.py``   theta as the sync sees it, with or without overlap (frozen copy, eager start, shifts)
+- ``build.py``   the corpus and trainer of a run on this node's device (rank 0 and the other ranks alike)
+"""
