@@ -481,7 +481,7 @@ def as_flags(settings: Dict[str, object]) -> List[str]:
 def run_peers(args, log_dir: Path) -> List[List[dict]]:
     """A bootstrap node and ``--peers`` real peers on loopback until each has done ``--rounds`` rounds; every
     process runs in its own session, and all are killed (their process groups) at the end."""
-    from tests.swarm import Swarm
+    from tests.harness.swarm import Swarm
 
     swarm = Swarm(log_dir)
     try:
@@ -541,7 +541,7 @@ def multi_peer_report(metrics: List[List[dict]], simulations: Dict[str, List[Sim
         "## Multi-peer check: the product against the simulation" + (f" ({variant[1]})" if variant[1] else ""), "",
         f"Command: `{command}` (logs in {log_dir})", "",
         f"{args.peers} real `python -m peer` processes and a `python -m dht` bootstrap on loopback, started as the "
-        f"tests start them (tests/swarm.py) with the product's default sync deadlines, and the run settings "
+        f"tests start them (tests/harness/swarm.py) with the product's default sync deadlines, and the run settings "
         f"`{' '.join(as_flags(multi_peer_settings(args)))}` (the "
         f"tiny preset, 3.2M parameters: `python -m peer` has no smaller one; `--min-step-seconds "
         f"{args.min_step_seconds:g}` gives every peer the same pace on a shared CPU), {args.rounds} rounds each. "

@@ -56,7 +56,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from tests.swarm import MADDR, Proc, read_metrics, wait_until
+from tests.harness.swarm import PeerProc, Proc, Swarm, read_metrics, signal_group, wait_until
 
 SCHEDULES = ("none", "kill", "freeze")
 KILL_EVERY, FREEZE_EVERY = 2, 3  # rounds, on average
@@ -75,50 +75,32 @@ class Fault:
     end: float  # restart or SIGCONT time (wall clock, like the metrics' ``time``)
 
 
-class Swarm:
-    """One schedule's bootstrap node and peers, addressed by index; a peer restarts under the same index,
-    checkpoint dir and metrics file, with fresh log files."""
+class Peers:
+    """The swarm under one schedule (``tests.harness.swarm.Swarm``: a bootstrap node and real peers), addressed by
+    index; a peer restarts under the same index, checkpoint dir and metrics file, with fresh log files."""
 
     def __init__(self, peers: int, log_dir: Path, run_id: str, peer_args: List[str]):
-        self.log_dir, self.procs, self.peers, self.starts = log_dir, [], [], [0] * peers
+        self.swarm = Swarm(log_dir, defaults=["--quiet", "--run-id", run_id, *peer_args])
+        self.peers: List[PeerProc] = []
+        self.starts, self.restarts = [0] * peers, 0
         self.begun = [0] * peers  # records in each peer's metrics file when it last started
-        self.killed: List[Proc] = []
-        self.restarts = 0
+        self.killed: List[PeerProc] = []
         try:
-            bootstrap = self._track(Proc([sys.executable, "-m", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
-                                         log_dir, "bootstrap"))
-            maddr = wait_until(lambda: (MADDR.findall(bootstrap.stdout) or [None])[0], 60, "the bootstrap node")
-            self.common = ["--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--quiet",
-                           "--run-id", run_id, *peer_args]
             for i in range(peers):
-                self.start(i)
+                self.peers.append(self.swarm.peer(f"peer{i}", "--checkpoint-dir", str(log_dir / f"peer{i}-ckpt")))
         except BaseException:
-            self.close()
+            self.swarm.close()
             raise
 
-    def _track(self, proc: Proc) -> Proc:
-        self.procs.append(proc)
-        return proc
-
-    def metrics_path(self, i: int) -> Path:
-        return self.log_dir / f"peer{i}.jsonl"
-
-    def start(self, i: int) -> Proc:
-        name = f"peer{i}" if not self.starts[i] else f"peer{i}.restart{self.starts[i]}"
-        self.restarts += bool(self.starts[i])
+    def start(self, i: int) -> None:
+        """Restart peer ``i`` (killed a round ago) from its checkpoint dir."""
+        self.restarts += 1
         self.starts[i] += 1
-        self.begun[i] = len(read_metrics(self.metrics_path(i)))
-        args = [sys.executable, "-m", "peer", *self.common, "--checkpoint-dir", str(self.log_dir / f"peer{i}-ckpt"),
-                "--metrics-file", str(self.metrics_path(i))]
-        proc = self._track(Proc(args, self.log_dir, name))
-        if i < len(self.peers):
-            self.peers[i] = proc
-        else:
-            self.peers.append(proc)
-        return proc
+        self.begun[i] = len(self.peers[i].metrics)
+        self.peers[i] = self.swarm.restart(self.peers[i], f"peer{i}.restart{self.starts[i]}")
 
     def records(self) -> List[List[dict]]:
-        return [read_metrics(self.metrics_path(i)) for i in range(len(self.peers))]
+        return [peer.metrics for peer in self.peers]
 
     def ready(self, i: int, records: List[List[dict]]) -> bool:
         """Running, and finished a round since it (re)started: past its imports, in the swarm."""
@@ -131,29 +113,18 @@ class Swarm:
         return [f"{p.name} (rc={p.popen.returncode})" for p in self.peers if not p.alive() and p not in self.killed]
 
     def signal_group(self, i: int, sig: int) -> None:
-        signal_quietly(self.peers[i], sig)
+        signal_group(self.peers[i], sig)
         if sig == signal.SIGKILL:
             self.peers[i].popen.wait()
             self.killed.append(self.peers[i])
 
     def close(self) -> Dict[str, Optional[int]]:
-        """SIGCONT then SIGTERM every live peer, wait up to a minute each, then killpg whatever is left.
-        Returns each peer's exit code (None: it had to be killed)."""
-        codes: Dict[str, Optional[int]] = {}
+        """Stop every live peer (SIGCONT, SIGTERM, up to a minute each), then kill whatever is left. Returns each
+        peer's exit code (None: it had to be killed)."""
         try:
-            live = [p for p in self.peers if p.alive()]
-            for proc in live:
-                signal_quietly(proc, signal.SIGCONT)
-                proc.signal(signal.SIGTERM)
-            for proc in live:
-                try:
-                    codes[proc.name] = proc.wait(STOP_SECONDS)
-                except AssertionError:
-                    codes[proc.name] = None
+            return self.swarm.stop(STOP_SECONDS)
         finally:
-            for proc in self.procs:
-                proc.kill_group()
-        return codes
+            self.swarm.close()
 
 
 class SyncJob:
@@ -206,7 +177,7 @@ class SyncJob:
         return self.crashes
 
     def signal_group(self, i: int, sig: int) -> None:
-        signal_quietly(self.peers[i], sig)
+        signal_group(self.peers[i], sig)
         if sig == signal.SIGKILL:
             self.launch()
 
@@ -217,14 +188,6 @@ class SyncJob:
         for proc in self.procs:
             proc.kill_group()
         return {}
-
-
-def signal_quietly(proc: Proc, sig: int) -> None:
-    """Signal the process group of ``proc`` (one process, its averager, DHT and p2p daemon), gone or not."""
-    try:
-        os.killpg(proc.popen.pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def free_port() -> int:
@@ -245,7 +208,7 @@ def round_seconds(records: List[List[dict]]) -> float:
     return statistics.median(per_peer)
 
 
-def inject(schedule: str, swarm: Swarm, end: float, rng: random.Random) -> List[Fault]:
+def inject(schedule: str, swarm: "Peers | SyncJob", end: float, rng: random.Random) -> List[Fault]:
     """Run the schedule's faults until ``end``; sleeps until the next event (at most POLL_SECONDS)."""
     faults: List[Fault] = []
     dead: Dict[int, float] = {}  # peer -> when to restart it
@@ -342,7 +305,7 @@ def run_schedule(system: str, schedule: str, args, root: Path) -> dict:
     log_dir = root / system / schedule
     log_dir.mkdir(parents=True)
     if system == "swarm":
-        job = Swarm(args.peers, log_dir, f"goodput-{schedule}", [*shared_flags(args), *args.peer_args])
+        job = Peers(args.peers, log_dir, f"goodput-{schedule}", [*shared_flags(args), *args.peer_args])
     else:
         job = SyncJob(args.peers, log_dir, shared_flags(args))
     try:

@@ -34,7 +34,7 @@ MB = 1 << 20
 
 def tree_pss(pid: int) -> int:
     """PSS bytes of ``pid`` and all its descendants, now."""
-    from tests.swarm import descendants
+    from tests.harness.swarm import descendants
 
     total = 0
     for member in [pid, *descendants(pid)]:
@@ -91,7 +91,7 @@ def run_plain(args) -> dict:
 
 
 def run_peer(args, log_dir: Path) -> dict:
-    from tests.swarm import PeerProc
+    from tests.harness.swarm import PeerProc
 
     rounds = 2
     peer = PeerProc(["--model", args.model, "--inner-steps", str(args.steps // rounds), "--max-rounds", str(rounds),

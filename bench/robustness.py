@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import List
 
-from tests.swarm import Swarm, assert_groups_agree, by_epoch
+from tests.harness.swarm import Swarm, assert_groups_agree, by_epoch
 
 SWARMS = {"clean": None, "nan": "nan", "scale": "scale:1000"}
 
@@ -38,7 +38,7 @@ def run_swarm(name: str, byzantine, rounds: int, root: Path, keys: Path) -> dict
         honest = [swarm.peer(f"p{i}", "--max-rounds", str(rounds), *run, "--identity-path", str(keys / f"p{i}.key"))
                   for i in range(3)]
         if byzantine:
-            swarm.peer("bad", "--max-rounds", str(rounds + 5), *run, "--byzantine", byzantine)
+            swarm.peer("bad", "--max-rounds", str(rounds + 5), *run, byzantine=byzantine)
         for peer in honest:
             assert peer.wait(60 * rounds) == 0, peer.stderr[-3000:]
     finally:

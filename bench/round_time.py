@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tests.swarm import MADDR, PeerProc, Proc, wait_until
+from tests.harness.swarm import MADDR, PeerProc, Proc, wait_until
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ by ~10 minutes.
 
 For every model preset and link, one namespace network (``docker.netns.TestNetwork``: a namespace per
 worker on a bridge, tbf for the rate, the user-space forwarder for the delay) carries three systems in
-turn, each with a fresh bootstrap node (``tests.swarm.Swarm``) and 4 fresh workers, one per namespace:
+turn, each with a fresh bootstrap node (``tests.harness.swarm.Swarm``) and 4 fresh workers, one per namespace:
 
 - ``diloco``: ``python -m peer``, each round's sync (matchmaking, all-reduce, outer step) between two
   inner phases: the plain DiLoCo baseline;
@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from docker.netns import TestNetwork, available
-from tests.swarm import ROOT, PeerProc, Proc, Swarm, read_metrics
+from tests.harness.swarm import ROOT, PeerProc, Proc, Swarm, read_metrics
 
 SYSTEMS = ("diloco", "overlap", "hivemind", "hivemind-blocking")
 DEFAULT_SYSTEMS = SYSTEMS[:3]  # hivemind-blocking (delay_state_averaging=False) on request

@@ -45,7 +45,8 @@ def setup_logging(verbose: bool) -> None:
         logging.getLogger("peer").setLevel(logging.DEBUG)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, hooks=None) -> int:
+    """``hooks``: a test harness's (``peer/hooks.py``); a user's peer runs with the no-op ones."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in ("status", "plot"):
         command = importlib.import_module(f"peer.ops.{argv[0]}")
@@ -67,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 return run_follower(island, node)
             finally:
                 island.close()
-        peer = Peer(run_flags, node, sync, net, island)
+        peer = Peer(run_flags, node, sync, net, island, hooks)
         peer.build()
         return peer.run_rounds()
     except (UserError, ValueError) as e:

@@ -8,7 +8,6 @@ and is filled in by ``RunConfig.resolved()`` before the manifest is written.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -135,18 +134,11 @@ class NodeConfig:
     wandb: Optional[str] = opt(None, "also log every round's numbers to this Weights & Biases project "
                                      "(pip install wandb)")
     verbose: bool = opt(False, "debug logs, hivemind's internals included")
-    byzantine: Optional[str] = opt(None, "test-only misbehaviour: send 'nan' or 'scale:FACTOR' times the real "
-                                         "pseudo-gradient in every round, to check that the swarm resists it")
-    fault_plan: Optional[str] = opt(None, "test-only fault injection, e.g. kill@send:3 or freeze@inner:2+5 "
-                                          "(see peer/faults.py)")
 
     def __post_init__(self):
         if not self.run_id or any(c in self.run_id for c in ". /"):
             raise ValueError(f"run_id must be non-empty without '.', '/' or spaces, got {self.run_id!r}")
         require_non_negative(self, "max_rounds", "micro_batch", "threads", "min_step_seconds", "checkpoint_every")
-        if self.byzantine is not None and self.byzantine != "nan" and not re.fullmatch(r"scale:[-+0-9.eE]+",
-                                                                                        self.byzantine):
-            raise ValueError(f"byzantine must be 'nan' or 'scale:FACTOR', got {self.byzantine!r}")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import sys
 
 from peer.presets import PRESETS
-from tests.swarm import Proc, read_metrics, wait_until
+from tests.harness.swarm import Proc, read_metrics, wait_until
 
 ROUND_STEPS, BATCH = 2, 2
 

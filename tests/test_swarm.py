@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from peer.round.sync import RESUMED_MERGED
-from tests.swarm import Swarm, assert_groups_agree, assert_loss_fell, by_epoch, wait_until
+from tests.harness.swarm import Swarm, assert_groups_agree, assert_loss_fell, by_epoch, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +127,7 @@ def test_work_merged_before_a_peer_died_is_not_sent_again_by_its_restart(swarm, 
     flags = ("--inner-steps", "20", "--min-step-seconds", "0.2")  # rounds of 4 s: mid-round checkpoints each second
     victim_flags = ("--checkpoint-dir", str(checkpoint), "--checkpoint-every", "1")
     survivor = swarm.peer("survivor", *flags)
-    victim = swarm.peer("victim", *flags, *victim_flags, "--fault-plan", "kill@checkpoint:2")
+    victim = swarm.peer("victim", *flags, *victim_flags, faults="kill@checkpoint:2")
     wait_until(lambda: not victim.alive(), 180, "the kill while writing a round's checkpoint")
     assert victim.popen.returncode == -signal.SIGKILL and victim.metrics[-1]["applied"], victim.stderr[-3000:]
     saved = torch.load(checkpoint / "state.pt", weights_only=True)

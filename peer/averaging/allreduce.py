@@ -31,8 +31,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_
 
 from compression import Codec
 from peer.averaging.robust import Offence, robust_mean
-
-FaultHook = Callable[[str], None]
+from peer.hooks import REDUCE, SEND, Hooks
 
 
 class GroupLostMember(AllreduceException):
@@ -200,7 +199,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         reducer_timeout: float,
         codec: Codec,
         part_size_bytes: int,
-        fault_hook: Optional[FaultHook] = None,
+        hooks: Hooks = Hooks(),
+        epoch: int = 0,
         clip_factor: float = 0.0,
         banned: Set[PeerID] = frozenset(),
     ):
@@ -236,7 +236,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             ignored={i for i, peer in enumerate(self.sender_peer_ids) if peer in banned}, on_offence=self._offence,
         )
         self._encoded: Dict[int, asyncio.Future] = {}
-        self.fault_hook = fault_hook
+        self.hooks, self.epoch = hooks, epoch  # a harness may strike at SEND and REDUCE of this round
 
     def _offence(self, offence: Offence) -> None:
         peer = self.sender_peer_ids[offence.sender]
@@ -249,8 +249,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         return self.ordered_peer_ids.index(self.peer_id)
 
     def _fire(self, phase: str) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(phase)
+        self.hooks.at(phase, self.epoch)
 
     def _encode_once(self, part_index: int, averaged: torch.Tensor) -> asyncio.Future:
         """Encode the averaged part the first time any member asks; everyone gets those same bytes."""
@@ -314,7 +313,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             yield message
             if first:
                 first = False
-                self._fire("send")  # a fault plan may strike this peer while it is sending
+                self._fire(SEND)  # a fault plan may strike this peer while it is sending
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                           sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -338,7 +337,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         try:
             async for part, weight, malformed in amap_in_executor(decode, stream, max_prefetch=1):
                 if part_index == 0:
-                    self._fire("reduce")  # a fault plan may strike this peer while it is reducing
+                    self._fire(REDUCE)  # a fault plan may strike this peer while it is reducing
                 if malformed is not None:  # dropped like a non-finite part; the others' average goes on
                     self._offence(Offence(sender_index, "malformed", f"part {part_index}: {malformed}"))
                 averaged = await reducer.accumulate_part(sender_index, part_index, part, weight=weight)

@@ -36,6 +36,7 @@ from compression import Codec
 from dht.node import init_child_process
 from peer.averaging.allreduce import ExactAllReduceRunner, GroupLostMember, MaybeApplied, MinorityGroup, NoMajority
 from peer.averaging.liveness import PROBE_EVERY, PROBE_SECONDS, gone
+from peer.hooks import DONOR, Hooks
 from peer.swarm.consensus import majority_elsewhere, minority
 
 logger = logging.getLogger(__name__)
@@ -99,12 +100,12 @@ class SwarmAverager(DecentralizedAverager):
         allreduce_timeout: float,
         part_timeout: float,
         client_mode: bool,
-        fault_hook: Optional[Callable[[str, int], None]] = None,
+        hooks: Optional[Hooks] = None,
         part_size_bytes: int = 2**20,
         clip_factor: float = 0.0,
         ban_after: int = 0,
     ):
-        self.codec, self.fault_hook, self._state_provider = codec, fault_hook, state_provider
+        self.codec, self.hooks, self._state_provider = codec, hooks or Hooks(), state_provider
         # robust aggregation (peer/robust.py) and bans, kept in the averager process across rounds
         self.clip_factor, self.ban_after = clip_factor, ban_after
         self.offence_counts: Dict[PeerID, int] = {}
@@ -253,7 +254,7 @@ class SwarmAverager(DecentralizedAverager):
                         tensors=local_tensors, weight=kwargs["weight"], ordered_peer_ids=group_info.peer_ids,
                         peer_fractions=peer_fractions, modes=modes, sender_timeout=self.part_timeout,
                         reducer_timeout=2 * self.part_timeout, codec=self.codec,
-                        part_size_bytes=kwargs["part_size_bytes"], fault_hook=self._fire,
+                        part_size_bytes=kwargs["part_size_bytes"], hooks=self.hooks, epoch=self.round_epoch,
                         clip_factor=self.clip_factor, banned=self.banned,
                     )
                     self._running_groups[group_info.group_id].set_result(runner)
@@ -287,10 +288,6 @@ class SwarmAverager(DecentralizedAverager):
                 self.banned.add(peer)
                 logger.warning(f"banned peer {peer} for the rest of the run: its parts are ignored")
         return report
-
-    def _fire(self, phase: str, epoch: Optional[int] = None) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook(phase, self.round_epoch if epoch is None else epoch)
 
     # ---- state sharing: a downloader takes slices of (G, m) from several donors at once ----
     def get_current_state(self):
@@ -346,7 +343,7 @@ class SwarmAverager(DecentralizedAverager):
             yield averaging_pb2.DownloadData(tensor_part=part, metadata=self.serializer.dumps(metadata) if index == 0
                                              else b"")
             if index == 0:
-                self._fire("donor", int(metadata.get("epoch", 0)))  # a fault plan may strike mid-transfer
+                self.hooks.at(DONOR, int(metadata.get("epoch", 0)))  # a fault plan may strike mid-transfer
 
     def download_state(self, donors: Sequence[str], state_hash: str, timeout: float, part_timeout: float
                        ) -> Optional[Tuple[List[str], Dict, List[torch.Tensor]]]:

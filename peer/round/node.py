@@ -29,7 +29,7 @@ from dht.node import DHTConfig, signing_identity, start_dht, visible_maddrs
 from dht.validation import run_validators
 from peer.averaging.averager import SwarmAverager
 from peer.config import NodeConfig, RunConfig, SyncConfig
-from peer.faults import FaultPlan
+from peer.hooks import CHECKPOINT, INNER, Hooks
 from peer.ops.checkpoint import load_checkpoint, save_checkpoint
 from peer.ops.report import Reporter
 from peer.ops.trackers import Trackers
@@ -49,11 +49,11 @@ RECORD_TTL = 60.0  # seconds a peer record lives without a refresh (at least)
 
 class Peer:
     def __init__(self, run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, net: DHTConfig,
-                 island: Optional[Island] = None):
+                 island: Optional[Island] = None, hooks: Optional[Hooks] = None):
         self.run_flags, self.node, self.sync_config, self.net = run_flags, node, sync, net
         self.island = island  # rank 0 of a torchrun island: the other ranks train alongside, in lockstep
         self.reporter = Reporter(node.metrics_file, node.quiet)
-        self.fault_plan = FaultPlan.parse(node.fault_plan)
+        self.hooks = hooks or Hooks()  # a test harness's fault plan or misbehaviour; no-ops otherwise
         # the name of the run's DHT and matchmaking keys: secret for a private run (--run-token)
         self.namespace = run_namespace(node.run_id, node.run_token or os.environ.get("DILOCO_RUN_TOKEN"))
         self.stop_requested = threading.Event()
@@ -119,8 +119,7 @@ class Peer:
             state_provider=self._share_state, quorum=run.quorum, grace_seconds=run.grace_seconds,
             request_timeout=self.sync_config.request_timeout, allreduce_timeout=self.sync_config.allreduce_timeout,
             part_timeout=self.sync_config.part_timeout, client_mode=net.client_mode,
-            fault_hook=self.fault_plan.fire if self.fault_plan else None,
-            clip_factor=run.clip_factor, ban_after=run.ban_after,
+            hooks=self.hooks, clip_factor=run.clip_factor, ban_after=run.ban_after,
         )
         self.averager.run_in_background(await_ready=True)
         self.install_signal_handlers()  # hivemind ignores SIGINT in the parent while it forks
@@ -130,10 +129,10 @@ class Peer:
             peer_id=self.peer_id, state=self.state, trainer=self.trainer, layout=self.layout, run=run,
             sync=self.sync_config, delta=self.delta, moment=self.moment, lock=self.lock,
             client_mode=net.client_mode, feedback=self.feedback,
-            fault_hook=self.fault_plan.fire if self.fault_plan else None,
+            hooks=self.hooks,
             initial_peer_ids=tuple(m["p2p"] for m in parse_maddrs(net.initial_peers, flag="--initial-peers",
                                                                    need_peer_id=True)),
-            local=self.local, byzantine=self.node.byzantine,
+            local=self.local,
         )
         if payload is not None:  # deltas carried from a fork we left, not sent yet
             self.synchronizer.carried = payload.get("carried")
@@ -251,8 +250,8 @@ class Peer:
                 clock.watch()
                 if inflight is None and self._checkpoint_due():  # the round so far, should this process die
                     self._checkpoint(round_tokens=tokens, round_steps=step)
-                if self.fault_plan and step == max(1, min(steps, run.inner_steps) // 2):
-                    self.fault_plan.fire("inner", epoch_at_start)
+                if step == max(1, min(steps, run.inner_steps) // 2):
+                    self.hooks.at(INNER, epoch_at_start)
 
             def should_stop(steps_done: int) -> bool:
                 return self.stop_requested.is_set() or clock.over(steps_done)
@@ -442,8 +441,8 @@ class Peer:
                 residual=self.feedback.residual, carried=self.synchronizer.carried,
                 recovered_tokens=self.synchronizer.recovered_tokens,
             )
-            at_round_end = self.fault_plan is not None and not round_steps  # where fault plans strike a checkpoint
-            strike = (lambda: self.fault_plan.fire("checkpoint", self.state.epoch)) if at_round_end else None
+            epoch = self.state.epoch
+            strike = None if round_steps else (lambda: self.hooks.at(CHECKPOINT, epoch))  # a round's checkpoint
             save_checkpoint(self.node.checkpoint_dir, payload, before_rename=strike)
 
     def close(self) -> None:

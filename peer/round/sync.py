@@ -36,6 +36,7 @@ from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.averaging.allreduce import MaybeApplied, MinorityGroup, NoMajority
 from peer.averaging.averager import SwarmAverager
 from peer.config import RunConfig, SyncConfig
+from peer.hooks import MATCHMAKING, Hooks
 from peer.outer.contributions import Contributions
 from peer.outer.nesterov import nesterov_step
 from peer.outer.state import GlobalState, merge_contributors, state_hash
@@ -85,14 +86,13 @@ class Synchronizer:
                  state: GlobalState, trainer: InnerTrainer, layout: FlatLayout, run: RunConfig,
                  sync: SyncConfig, delta: torch.Tensor, moment: Optional[torch.Tensor], lock: threading.Lock,
                  client_mode: bool, feedback: Optional[ErrorFeedback] = None,
-                 fault_hook: Optional[Callable[[str, int], None]] = None, initial_peer_ids: Tuple[str, ...] = (),
-                 local: Optional[LocalModel] = None, byzantine: Optional[str] = None):
+                 hooks: Optional[Hooks] = None, initial_peer_ids: Tuple[str, ...] = (),
+                 local: Optional[LocalModel] = None):
         self.averager, self.dht, self.run_id, self.manifest_hash = averager, dht, run_id, manifest_hash
         self.peer_id, self.state, self.trainer, self.layout = peer_id, state, trainer, layout
         self.local = local or LocalModel(trainer, layout)  # theta as this sync sees it (overlap: frozen)
-        self.byzantine = byzantine
         self.run, self.config, self.delta, self.moment, self.lock = run, sync, delta, moment, lock
-        self.client_mode, self.fault_hook, self.initial_peer_ids = client_mode, fault_hook, initial_peer_ids
+        self.client_mode, self.hooks, self.initial_peer_ids = client_mode, hooks or Hooks(), initial_peer_ids
         self.deadlines = Deadlines(ceiling=sync.allreduce_timeout, floor=sync.deadline_floor,
                                    factor=sync.deadline_factor, part_ceiling=sync.part_timeout)
         self.feedback = feedback or ErrorFeedback(get_codec("none"), 0)
@@ -477,10 +477,7 @@ class Synchronizer:
                 self.local.gather_moments(self.moment)
             if torch.isfinite(self.delta).all():
                 self.feedback.quantize(self.delta, out=self.delta)  # what we send: delta + residual, quantized
-                if self.byzantine == "nan":  # test-only: send garbage instead (reducers must reject or clip it)
-                    self.delta.fill_(float("nan"))
-                elif self.byzantine:
-                    self.delta.mul_(float(self.byzantine.split(":")[1]))
+                self.hooks.outgoing(self.delta)
                 return True
         logger.error("the local model diverged (non-finite pseudo-gradient); resetting it to the global state")
         self.local.set(self.state.params)
@@ -496,8 +493,7 @@ class Synchronizer:
 
     def _average(self, tokens: int, weight: float, align: bool, deadline: float, mine: PeerRecord) -> dict:
         grace = self.run.grace_seconds
-        if self.fault_hook is not None:
-            self.fault_hook("matchmaking", self.state.epoch)
+        self.hooks.at(MATCHMAKING, self.state.epoch)
         gather = dict(epoch=mine.epoch, hash=mine.state_hash, tokens=tokens, align=align,
                       step_seconds=self.step_seconds, missed=self.stuck,
                       voters=voters(self.records.values(), mine, producers=self.producers()),

@@ -1,4 +1,4 @@
-"""Fault plans as data, for tests (like torchft's EventInjector).
+"""Fault plans as data (like torchft's EventInjector), struck through the peer's hooks (``peer/hooks.py``).
 
 A plan is a comma-separated list of events ``KIND@PHASE:EPOCH[+SECONDS]``, e.g. ``kill@send:3`` or
 ``freeze@inner:2+6,slow@reduce:5+8``. Each event strikes once, at the first time this peer reaches
@@ -13,15 +13,9 @@ Kinds:
 A detached helper process (its own session, so the freeze does not stop it) resumes the peer or
 restores its links; a peer never waits on the helper.
 
-Phases:
-- ``inner``: halfway through the inner steps of the round;
-- ``matchmaking``: as the peer enters matchmaking;
-- ``send``: after the peer sent its first part in the all-reduce;
-- ``reduce``: after the peer, as a reducer, received a first part from a groupmate;
-- ``donor``: while the peer streams its state to a peer that downloads it;
-- ``checkpoint``: while writing a checkpoint: the temporary file is written, not yet renamed.
-Events at ``inner``, ``matchmaking`` and ``checkpoint`` fire in the peer's main process, those at ``send``,
-``reduce`` and ``donor`` in its averager process; each process keeps its own copy of the plan.
+Phases are the hooks' (``peer.hooks.PHASES``): ``inner``, ``matchmaking``, ``send``, ``reduce``, ``donor`` and
+``checkpoint``. Events at ``inner``, ``matchmaking`` and ``checkpoint`` fire in the peer's main process, those at
+``send``, ``reduce`` and ``donor`` in its averager process; each process keeps its own copy of the plan.
 """
 
 from __future__ import annotations
@@ -34,10 +28,11 @@ import subprocess
 from dataclasses import dataclass
 from typing import List, Optional
 
+from peer.hooks import PHASES
+
 logger = logging.getLogger(__name__)
 
 KINDS = ("kill", "freeze", "slow", "partition")
-PHASES = ("inner", "matchmaking", "send", "reduce", "donor", "checkpoint")
 EVENT = re.compile(r"^(?P<kind>\w+)@(?P<phase>\w+):(?P<epoch>\d+)(?:\+(?P<seconds>\d+(?:\.\d+)?))?$")
 SLOW_DUTY = (0.3, 0.1)  # seconds stopped, seconds running: a quarter of the speed
 

@@ -1,4 +1,4 @@
-"""Real swarms for tests: ``python -m dht`` and ``python -m peer`` processes on loopback.
+"""Real swarms for tests and benchmarks: ``python -m dht`` and ``python -m peer`` processes on loopback.
 
 Every process runs in its own session, so a test can SIGKILL a whole peer (main process, averager,
 DHT, p2p daemon) with one killpg, and ``Swarm.close`` reaps everything a test started.
@@ -16,10 +16,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, TypeVar
+from typing import Callable, Dict, List, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MADDR = re.compile(r"/ip4/\S+/p2p/\S+")
 
 # small and fast: a round is 5 steps of 4x64 tokens on the micro model, each padded to 0.2 s: rounds of ~1 s
@@ -118,14 +118,18 @@ def descendants(pid: int) -> List[int]:
     return found
 
 
-def peer_command(*args: str) -> List[str]:
-    return [sys.executable, "-m", "peer", *args]
+def peer_command(*args: str, harness: Sequence[str] = ()) -> List[str]:
+    """``python -m peer ARGS``, or with harness flags (a fault plan, misbehaviour) ``python -m tests.harness``."""
+    return [sys.executable, "-m", "tests.harness" if harness else "peer", *harness, *args]
 
 
 class PeerProc(Proc):
-    def __init__(self, args: List[str], log_dir: Path, name: str, wrap: Callable[[List[str]], List[str]] = list):
-        self.metrics_path = log_dir / f"{name}.jsonl"
-        super().__init__(peer_command(*args, "--metrics-file", str(self.metrics_path)), log_dir, name, wrap)
+    def __init__(self, args: List[str], log_dir: Path, name: str, wrap: Callable[[List[str]], List[str]] = list,
+                 harness: Sequence[str] = (), metrics_path: Optional[Path] = None):
+        self.peer_args, self.harness = list(args), tuple(harness)
+        self.metrics_path = metrics_path or log_dir / f"{name}.jsonl"
+        super().__init__(peer_command(*args, "--metrics-file", str(self.metrics_path), harness=harness), log_dir,
+                         name, wrap)
 
     @property
     def metrics(self) -> List[dict]:
@@ -146,13 +150,14 @@ class PeerProc(Proc):
 
 
 class Swarm:
-    """A bootstrap node plus the peers a test starts; ``close`` kills them all.
+    """A bootstrap node plus the peers a test or benchmark starts; ``close`` kills them all.
 
     ``net`` (a ``docker.netns.TestNetwork``): the bootstrap listens on the network's host address, and
-    ``peer(..., namespace=i)`` runs a peer inside namespace i; without it, everything is on loopback."""
+    ``peer(..., namespace=i)`` runs a peer inside namespace i; without it, everything is on loopback.
+    ``defaults``: the flags every peer gets before its own (the fast test settings unless told otherwise)."""
 
-    def __init__(self, log_dir: Path, net=None):
-        self.log_dir, self.procs, self.net = log_dir, [], net
+    def __init__(self, log_dir: Path, net=None, defaults: Sequence[str] = (*FAST_RUN, *FAST_NODE)):
+        self.log_dir, self.procs, self.net, self.defaults = log_dir, [], net, tuple(defaults)
         self.host = net.host_ip if net is not None else "127.0.0.1"
         self.bootstrap = self._track(Proc([sys.executable, "-m", "dht", "--host-maddrs", f"/ip4/{self.host}/tcp/0"],
                                           log_dir, "bootstrap"))
@@ -164,18 +169,48 @@ class Swarm:
         return proc
 
     def peer(self, name: str, *args: str, join: bool = True, namespace: Optional[int] = None,
-             wrap: Callable[[List[str]], List[str]] = list) -> PeerProc:
-        """``python -m peer`` with the fast test settings; ``wrap`` rewrites its command line (e.g. torchrun)."""
+             wrap: Callable[[List[str]], List[str]] = list, faults: Optional[str] = None,
+             byzantine: Optional[str] = None, metrics_path: Optional[Path] = None) -> PeerProc:
+        """``python -m peer`` with the swarm's defaults; ``wrap`` rewrites its command line (e.g. torchrun).
+        ``faults`` (a fault plan, ``tests/harness/faults.py``) and ``byzantine`` (``misbehaviour.py``) run it under
+        the harness instead. ``metrics_path``: another metrics file than NAME.jsonl (a restart's, say)."""
         extra = ["--initial-peers", self.maddr] if join else []
         host = self.host
         if namespace is not None:
             host, wrap = self.net.ip(namespace), lambda argv: self.net.wrap(namespace, argv)
-        args = [*FAST_RUN, *FAST_NODE, "--host-maddrs", f"/ip4/{host}/tcp/0", *extra, *args]
-        return self._track(PeerProc(args, self.log_dir, name, wrap))
+        harness = [*(("--fault-plan", faults) if faults else ()), *(("--byzantine", byzantine) if byzantine else ())]
+        args = [*self.defaults, "--host-maddrs", f"/ip4/{host}/tcp/0", *extra, *args]
+        return self._track(PeerProc(args, self.log_dir, name, wrap, harness, metrics_path))
+
+    def restart(self, proc: PeerProc, name: str) -> PeerProc:
+        """``proc``'s command again under a new name (fresh log files), appending to the same metrics file."""
+        return self._track(PeerProc(proc.peer_args, self.log_dir, name, harness=proc.harness,
+                                    metrics_path=proc.metrics_path))
+
+    def stop(self, timeout: float) -> Dict[str, Optional[int]]:
+        """SIGCONT then SIGTERM every live peer and wait up to ``timeout`` seconds each for it to leave; returns
+        each one's exit code (None: it did not leave in time). ``close`` still kills whatever is left."""
+        live = [p for p in self.procs if isinstance(p, PeerProc) and p.alive()]
+        for proc in live:
+            signal_group(proc, signal.SIGCONT)
+            proc.signal(signal.SIGTERM)
+        codes: Dict[str, Optional[int]] = {}
+        for proc in live:
+            try:
+                codes[proc.name] = proc.wait(timeout)
+            except AssertionError:
+                codes[proc.name] = None
+        return codes
 
     def close(self) -> None:
         for proc in self.procs:
             proc.kill_group()
+
+
+def signal_group(proc: Proc, sig: int) -> None:
+    """Signal the process group of ``proc`` (one peer: its process, averager, DHT and p2p daemon), gone or not."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.popen.pid, sig)
 
 
 def by_epoch(peers: List[PeerProc]) -> Dict[int, Dict[str, dict]]:

@@ -1,7 +1,7 @@
 """A DHT node (``dht.node.start_dht``) that dials another one the moment a line with its multiaddr arrives on
 stdin, and prints ``connected`` or ``failed: <why>`` (tests/test_netns.py).
 
-    python -m tests.dial <listen ip>
+    python -m tests.harness.dial <listen ip>
 """
 
 import functools
