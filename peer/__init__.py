@@ -2,12 +2,15 @@
 
 - ``__main__.py``  parse, build, run, close
 - ``config.py``    RunConfig (the run manifest), NodeConfig, SyncConfig; the CLI is derived from them
-- ``presets.py``   model presets (tiny, small, 150m, 1b) and their run defaults
-- ``faults.py``    fault plans for tests: kill, freeze, slow, partition at six phases of a round
+- ``presets.py``   model presets (micro, tiny, small, 150m, 1b) and their run defaults
+- ``hooks.py``     the points a test harness may act at; the product's hooks do nothing
 - ``train/``       local training: model, data, the inner loop, islands, flat vectors, theta as the sync sees it
-- ``outer/``       the global state, its hash, the Nesterov outer step, lr schedules, own contributions
-- ``swarm/``       pure functions over the swarm's records: consensus, deadlines
-- ``averaging/``   the averager process: exact all-reduce, robust aggregation, liveness, state sharing
-- ``round/``       the node and its rounds: sync, schedule
+- ``outer/``       the global state and its hash, the Nesterov outer step, lr schedules, contributions, lineage
+- ``swarm/``       pure functions over the swarm's records and group metadata: consensus, timing, deadlines
+- ``averaging/``   the averager process: exact all-reduce, robust aggregation, bans, liveness, state sharing
+- ``round/``       the round: its decisions, the sync that acts on them, catch-up, transport, the node
 - ``ops/``         checkpoints, reports, trackers, status, plot
+
+Layers, bottom first (imports point down only; ``tests/test_layers.py``): ``compression``, ``dht``; ``hooks``,
+``presets``, ``outer``, ``swarm``, ``ops``; ``config``; ``train``, ``averaging``; ``round``; ``__main__``.
 """

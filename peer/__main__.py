@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import sys
@@ -56,27 +57,27 @@ def main(argv: Optional[Sequence[str]] = None, hooks=None) -> int:
     except (UserError, ValueError) as e:
         return fail(str(e))
     setup_logging(node.verbose)
+    from peer.hooks import Hooks  # these import torch and hivemind: after the flags are known to be fine
+    from peer.round.build import build_parts
     from peer.round.node import Peer
     from peer.train.build import run_follower
-    from peer.train.island import Island  # imports torch and hivemind: after the flags are known to be fine
+    from peer.train.island import Island
 
-    peer = None
-    try:
-        island = Island.from_env(node.device)  # under torchrun: this rank's place in its island
-        if island is not None and not island.leader:
-            try:
-                return run_follower(island, node)
-            finally:
-                island.close()
-        peer = Peer(run_flags, node, sync, net, island, hooks)
-        peer.build()
-        return peer.run_rounds()
-    except (UserError, ValueError) as e:
-        return fail(str(e))
-    finally:
-        if peer is not None:
-            peer.close()
-
+    with contextlib.ExitStack() as closing:  # on every path, in reverse: the peer leaves, its parts stop
+        try:
+            island = Island.from_env(node.device)  # under torchrun: this rank's place in its island
+            if island is not None:
+                closing.callback(island.close)
+                if not island.leader:
+                    return run_follower(island, node)
+            parts = build_parts(run_flags, node, sync, net, island, hooks or Hooks())
+            closing.callback(parts.close)
+            peer = Peer(parts, node, sync, net, island, hooks)
+            closing.callback(peer.close)
+            peer.join()
+            return peer.run_rounds()
+        except (UserError, ValueError) as e:
+            return fail(str(e))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,8 +12,10 @@ from hivemind.utils import get_dht_time
 
 from compression import get_codec
 from dht.node import LOOPBACK, DHTConfig, start_dht
-from peer.averaging.allreduce import ExactAllReduceRunner, GroupLostMember
+from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.averager import SwarmAverager
+from peer.averaging.failures import GroupLostMember
+from peer.hooks import Hooks
 from peer.outer.state import state_hash
 
 pytestmark = pytest.mark.slow
@@ -30,11 +32,15 @@ def dhts():
         node.shutdown()
 
 
-def killer(at_phase):
-    def kill_own_process(phase, epoch):
-        if phase == at_phase:
+class killer(Hooks):
+    """Kills the averager process when it reaches ``phase`` (peer/hooks.py)."""
+
+    def __init__(self, phase):
+        self.phase = phase
+
+    def at(self, phase, epoch):
+        if phase == self.phase:
             os.kill(os.getpid(), signal.SIGKILL)  # the averager process dies mid-way
-    return kill_own_process
 
 
 def shared_state(epoch=7):
@@ -50,7 +56,7 @@ def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None, cl
         averager = SwarmAverager(
             torch.zeros(SIZE), None, dht, prefix=prefix, codec=get_codec(codec),
             state_provider=lambda: state or ({}, []), quorum=1, grace_seconds=2.0, request_timeout=1.0,
-            allreduce_timeout=10.0, part_timeout=3.0, client_mode=False, fault_hook=hook, part_size_bytes=2**16,
+            allreduce_timeout=10.0, part_timeout=3.0, client_mode=False, hooks=hook, part_size_bytes=2**16,
             clip_factor=clip_factor, ban_after=ban_after,
         )
         averager.runner_type = runner  # the averager process, forked next, runs its all-reduces with it
@@ -96,7 +102,7 @@ def test_members_end_bit_identical_with_the_weighted_mean(dhts, codec):
             assert ((results[0] - expected).norm() / expected.norm()).item() < 0.3
         else:
             torch.testing.assert_close(results[0], expected, rtol=0, atol={"none": 1e-6, "fp16": 2e-3}[codec])
-        assert all(len(outcome["gathered"]) == 3 for outcome in outcomes)
+        assert all(len(outcome.gathered) == 3 for outcome in outcomes)
         # each part goes from its 2 other members to its reducer, and its average back to both: 4 encoded copies
         # of the vector in all, so 4/3 a member where hivemind deals the parts evenly. Sized for int4-huffman's
         # nominal 4 bits a value, its parts hold 131,072 values here: the vector makes 2, and one member reduces none.
@@ -130,13 +136,13 @@ def test_bad_parts_are_rejected_and_members_still_agree(dhts):
             assert all(torch.equal(results[0], other) for other in results[1:]), "members differ"
             assert (results[0] - clean).norm() < 0.5 * clean.norm(), verdict
             for outcome in outcomes:  # every reducer saw the offender's part of its slice
-                assert list(outcome["offences"]) == [offender] and outcome["offences"][offender][0].startswith(verdict)
+                assert list(outcome.offences) == [offender] and outcome.offences[offender][0].startswith(verdict)
         # banned now: its parts are ignored, so the result is exactly the honest mean (three usable parts
         # would have been averaged, or clipped, with it)
         outcomes = [c.result(timeout=60) for c in run_round(averagers, honest + [1000 * base], [100, 100, 100])]
         with averagers[0].get_tensors() as (delta,):
             torch.testing.assert_close(delta, clean, rtol=0, atol=1e-6)
-        assert all(outcome["offences"] == {} for outcome in outcomes)
+        assert all(outcome.offences == {} for outcome in outcomes)
     finally:
         for averager in averagers:
             averager.shutdown()
@@ -189,8 +195,8 @@ def test_malformed_parts_are_rejected_and_the_others_average_goes_on(dhts):
             assert all(torch.equal(results[0], other) for other in results[1:]), f"{what}: members differ"
             torch.testing.assert_close(results[0], clean, rtol=0, atol=1e-6)
             for outcome in outcomes[:2]:
-                assert list(outcome["offences"]) == [offender], what
-                reason = outcome["offences"][offender][0]
+                assert list(outcome.offences) == [offender], what
+                reason = outcome.offences[offender][0]
                 assert reason.startswith("malformed (part 0: ") and verdict in reason, (what, reason)
         assert all(averager.is_alive() for averager in averagers)
     finally:

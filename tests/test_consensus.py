@@ -1,4 +1,4 @@
-"""Fork choice, expected groups and round targets over peer records; no DHT."""
+"""Fork choice, expected groups, the majority rule and round targets over peer records; no DHT."""
 
 import dataclasses
 
@@ -17,10 +17,11 @@ from peer.swarm.consensus import (
     peers_behind,
     peers_with_state,
     responsive,
-    round_target,
     syncing_now,
     voters,
 )
+from peer.swarm.metadata import Contribution
+from peer.swarm.timing import round_target
 
 
 def record(peer, epoch, state_hash, tokens, manifest="m", status="training", next_sync_at=None):
@@ -101,7 +102,8 @@ def test_voters_are_the_responsive_peers_at_our_state_and_those_that_produced_it
 
 def test_of_two_groups_split_from_one_state_only_the_majority_applies():
     def group(size, electorate, missed=0):
-        return {f"p{i}": dict(voters=electorate, missed=missed) for i in range(size)}
+        return {f"p{i}": Contribution(epoch=0, hash="h", tokens=1, voters=electorate, missed=missed)
+                for i in range(size)}
 
     assert minority(group(3, 5)) is None
     assert minority(group(2, 5)) == "our group holds 2 of the 5 peers at our state, not a majority"
@@ -113,7 +115,8 @@ def test_of_two_groups_split_from_one_state_only_the_majority_applies():
     assert minority(group(2, 5, missed=MAX_MISSED - 1)) is not None
     assert minority(group(2, 5, missed=2 * MAX_MISSED - 1)) is None
     mixed = group(2, 3)
-    mixed["p0"]["voters"] = 5  # members counted differently: the largest count rules, for every member alike
+    # members counted differently: the largest count rules, for every member alike
+    mixed["p0"] = dataclasses.replace(mixed["p0"], voters=5)
     assert minority(mixed) is not None
 
 

@@ -10,7 +10,6 @@ import statistics
 import pytest
 import torch
 
-from peer.round.sync import RESUMED_MERGED
 from tests.harness.swarm import Swarm, assert_groups_agree, assert_loss_fell, by_epoch, wait_until
 
 pytestmark = pytest.mark.slow
@@ -114,7 +113,7 @@ def contributed(records, index):
     rounds since the peer's previous applied one, or since a round that dropped its work: a restart whose first
     download failed trains a round on its resumed state, then finds that state's work merged and resets to the
     swarm's state, dropping that round too (seen on a loaded machine)."""
-    start = max((i for i in range(index) if records[i]["applied"] or records[i]["error"] == RESUMED_MERGED),
+    start = max((i for i in range(index) if records[i]["applied"] or records[i]["outcome"] == "resumed_merged"),
                 default=-1) + 1
     return sum(r["tokens"] for r in records[start:index + 1])
 

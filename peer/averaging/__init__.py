@@ -1,7 +1,10 @@
 """What runs in the averager process: hivemind's DecentralizedAverager, made exact, robust and shareable.
 
-- ``averager.py``   ``SwarmAverager``: round keys, the consensus gate, the all-reduce, bans, state sharing
+- ``averager.py``   ``SwarmAverager``: round keys, the consensus gate over the gathered contributions, the all-reduce
 - ``allreduce.py``  the exact butterfly all-reduce (bit-identical results or a clean failure)
 - ``robust.py``     robust aggregation of one part (median, clipping, rejection): pure tensors
-- ``liveness.py``   whether an expected peer can be reached now (dials refused or in backoff)
+- ``bans.py``       offences counted across rounds, and bans
+- ``liveness.py``   whether an expected peer can be reached now (dials refused or in backoff), and the probe
+- ``sharing.py``    state sharing: snapshots served by slice, striped downloads from several donors
+- ``failures.py``   one exception type per way an attempt fails (what the round decides on)
 """

@@ -23,34 +23,16 @@ from typing import AsyncIterator, Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode, GroupID
-from hivemind.averaging.partition import AllreduceException, TensorPartContainer, TensorPartReducer
+from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2P, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from compression import Codec
+from peer.averaging.failures import GroupLostMember
 from peer.averaging.robust import Offence, robust_mean
 from peer.hooks import REDUCE, SEND, Hooks
-
-
-class GroupLostMember(AllreduceException):
-    """The all-reduce lost a member (or got bad data) mid-way; nothing from it may be applied."""
-
-
-class MinorityGroup(AllreduceException):
-    """The group holds too few of the peers at its state to apply a round (``peer.consensus.minority``);
-    nothing was sent. The peers outside it are a majority: they may apply this round."""
-
-
-class NoMajority(MinorityGroup):
-    """As MinorityGroup, but the peers outside the group are no majority either (a 2|2 split): no group
-    applies this round, so there is no new state to wait for."""
-
-
-class MaybeApplied(GroupLostMember):
-    """It failed for us after our own reducer had averaged all its parts: the others may have received every
-    part and applied the round. (When our reducer failed, no member can hold the whole average.)"""
 
 
 class CodecCompression(CompressionBase):
@@ -204,25 +186,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         clip_factor: float = 0.0,
         banned: Set[PeerID] = frozenset(),
     ):
-        # hivemind's __init__ builds its own (inexact) container and reducer, so set the fields here
-        assert p2p.peer_id in ordered_peer_ids, "peer_id is not a part of the group"
-        assert any(mode != AveragingMode.CLIENT for mode in modes), "cannot run allreduce without reducers"
-        self._p2p, self.peer_id = p2p, p2p.peer_id
-        self._servicer_type, self._prefix = servicer_type, prefix
-        self.group_id, self.ordered_peer_ids = group_id, tuple(ordered_peer_ids)
-        self.modes, self.peer_fractions = tuple(modes), tuple(peer_fractions)
+        self._init_hivemind_fields(p2p, servicer_type, prefix, group_id, ordered_peer_ids, peer_fractions, modes)
         self.weight = float(weight)
         self.sender_timeout, self.reducer_timeout = sender_timeout, reducer_timeout
-        self._future = asyncio.Future()
-        self.sender_peer_ids = [peer for peer, mode in zip(self.ordered_peer_ids, self.modes)
-                                if mode != AveragingMode.AUX]
-        self.all_senders_started = asyncio.Event()
-        self.banned_senders: Set[PeerID] = set()
-        self.banlock = asyncio.Lock()
-        self.active_senders: Set[PeerID] = {self.peer_id} if self.peer_id in self.sender_peer_ids else set()
-        if len(self.active_senders) == len(self.sender_peer_ids):
-            self.all_senders_started.set()
-
         self.compression = CodecCompression(codec)
         self.tensor_part_container = ExactPartContainer(
             tensors, peer_fractions, compression=self.compression, part_size_bytes=part_size_bytes,
@@ -237,6 +203,26 @@ class ExactAllReduceRunner(AllReduceRunner):
         )
         self._encoded: Dict[int, asyncio.Future] = {}
         self.hooks, self.epoch = hooks, epoch  # a harness may strike at SEND and REDUCE of this round
+
+    def _init_hivemind_fields(self, p2p: P2P, servicer_type: Type[ServicerBase], prefix: Optional[str],
+                              group_id: GroupID, ordered_peer_ids: Sequence[PeerID], peer_fractions: Tuple[float, ...],
+                              modes: Sequence[AveragingMode]) -> None:
+        """hivemind's __init__ builds its own (inexact) container and reducer, so set its other fields here."""
+        assert p2p.peer_id in ordered_peer_ids, "peer_id is not a part of the group"
+        assert any(mode != AveragingMode.CLIENT for mode in modes), "cannot run allreduce without reducers"
+        self._p2p, self.peer_id = p2p, p2p.peer_id
+        self._servicer_type, self._prefix = servicer_type, prefix
+        self.group_id, self.ordered_peer_ids = group_id, tuple(ordered_peer_ids)
+        self.modes, self.peer_fractions = tuple(modes), tuple(peer_fractions)
+        self._future = asyncio.Future()
+        self.sender_peer_ids = [peer for peer, mode in zip(self.ordered_peer_ids, self.modes)
+                                if mode != AveragingMode.AUX]
+        self.all_senders_started = asyncio.Event()
+        self.banned_senders: Set[PeerID] = set()
+        self.banlock = asyncio.Lock()
+        self.active_senders: Set[PeerID] = {self.peer_id} if self.peer_id in self.sender_peer_ids else set()
+        if len(self.active_senders) == len(self.sender_peer_ids):
+            self.all_senders_started.set()
 
     def _offence(self, offence: Offence) -> None:
         peer = self.sender_peer_ids[offence.sender]

@@ -19,9 +19,14 @@ if it is in time; otherwise it contributes at the next group, as any late peer d
 from __future__ import annotations
 
 import asyncio
-from typing import List, Sequence
+import logging
+from typing import Callable, List, Sequence
 
 from hivemind.p2p import P2P, PeerID
+
+from dht import internals
+
+logger = logging.getLogger(__name__)
 
 PROBE_SECONDS = 2.0  # a refusal comes within a round trip; anything slower is no answer
 PROBE_EVERY = 1.0  # seconds between dials to the same expected peer while a group forms
@@ -41,10 +46,8 @@ async def gone(p2p: P2P, peer_ids: Sequence[str], timeout: float = PROBE_SECONDS
     are connected to answers at once; so does a dead one."""
 
     async def fails_fast(peer_id: str) -> bool:
-        try:
-            # hivemind's P2P has no public connect; its daemon client does (the daemon dials the peer's known
-            # addresses, or reuses an open connection)
-            await asyncio.wait_for(p2p._client.connect(PeerID.from_base58(peer_id), []), timeout)
+        try:  # the daemon dials the peer's known addresses, or reuses an open connection
+            await asyncio.wait_for(internals.connect(p2p, PeerID.from_base58(peer_id)), timeout)
         except asyncio.TimeoutError:
             return False
         except Exception as e:
@@ -53,3 +56,36 @@ async def gone(p2p: P2P, peer_ids: Sequence[str], timeout: float = PROBE_SECONDS
 
     answers = await asyncio.gather(*(fails_fast(peer_id) for peer_id in peer_ids))
     return [peer_id for peer_id, failed in zip(peer_ids, answers) if failed]
+
+
+async def stop_waiting_for_the_gone(matchmaking, p2p: P2P, probe: Sequence[str], current: Callable[[], bool]) -> None:
+    """Through a round's matchmaking (while ``current()``), dial the expected peers in ``probe`` every PROBE_EVERY
+    seconds (a live one we are connected to answers from our own daemon); each one that cannot be reached comes off
+    the expected group, and a leader that then holds every expected peer closes its group at once, as hivemind's
+    does when the last expected follower joins."""
+    loop = asyncio.get_event_loop()
+    until = loop.time() + internals.group_sizes(matchmaking)[2] + PROBE_SECONDS
+    waiting = list(probe)
+    while waiting and current() and loop.time() < until:
+        started = loop.time()
+        try:
+            dead = await gone(p2p, waiting)
+        except Exception as e:
+            logger.debug(f"liveness probe failed: {e!r}")
+            return
+        if dead:
+            waiting = [peer for peer in waiting if peer not in dead]
+            await _expect_fewer(matchmaking, dead, current)
+        await asyncio.sleep(max(0.0, PROBE_EVERY - (loop.time() - started)))
+
+
+async def _expect_fewer(matchmaking, dead: List[str], current: Callable[[], bool]) -> None:
+    async with internals.join_lock(matchmaking):
+        if not current():
+            return
+        min_group, target, _ = internals.group_sizes(matchmaking)
+        target = max(target - len(dead), min_group)
+        internals.set_target(matchmaking, target)
+        logger.info(f"not waiting for {len(dead)} peer(s) at our state that cannot be reached (every dial refused "
+                    f"or in backoff): {', '.join(peer[-6:] for peer in dead)}; expecting a group of {target}")
+        await internals.close_group_if_complete(matchmaking)

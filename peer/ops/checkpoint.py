@@ -2,7 +2,8 @@
 
 A checkpoint is one ``torch.save`` file, written to a temporary name in the same directory, flushed
 and fsynced, then renamed over the old one (rename is atomic on POSIX), and the directory is fsynced
-so the rename itself survives a power cut.
+so the rename itself survives a power cut. What a peer saves in it, and resumes from, is one
+``CheckpointPayload``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import pickle
 import zipfile
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -89,3 +91,49 @@ def load_checkpoint(directory: str) -> Optional[Dict[str, Any]]:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise UserError(f"checkpoint {path} is not a decoupled-diloco checkpoint of format {FORMAT}; move it away")
     return payload
+
+
+@dataclass
+class CheckpointPayload:
+    """Everything a restarted peer resumes from, saved and restored as one."""
+
+    manifest_hash: str  # the run configuration it belongs to; a checkpoint of another is refused
+    manifest_record: Dict[str, Any]  # the signed manifest, so that a restart alone can go on with the run
+    run_id: str
+    peer_id: str
+    params: torch.Tensor  # G
+    momentum: torch.Tensor  # m
+    epoch: int
+    tokens_total: int
+    merged: Dict[str, int]  # peer id -> last epoch its delta was merged into this lineage
+    theta: torch.Tensor  # the local model, flat
+    optimizer: Dict[str, Any]  # AdamW's state dict
+    local_steps: int  # steps of that optimizer (its warmup)
+    data_position: int  # where this peer's data order stands
+    pending_tokens: int  # tokens of work not merged yet, the round in progress included
+    pending_rounds: int
+    rounds: int
+    manifest_settings: Dict[str, Any] = field(default_factory=dict)
+    round_steps: int = 0  # mid-round: steps of the round in progress, in theta
+    last_loss: Optional[float] = None
+    residual: Optional[torch.Tensor] = None  # error feedback's residual
+    carried: Optional[torch.Tensor] = None  # our deltas that only a lineage we left merged, not sent yet
+    recovered_tokens: int = 0  # the tokens behind them
+
+    def save(self, directory: str, before_rename: Optional[Callable[[], None]] = None) -> bool:
+        # not dataclasses.asdict: it deep-copies every tensor
+        return save_checkpoint(directory, {f.name: getattr(self, f.name) for f in fields(self)}, before_rename)
+
+    @classmethod
+    def load(cls, directory: str) -> Optional["CheckpointPayload"]:
+        """The saved payload, None if there is none; a ``UserError`` for a corrupt file or another format."""
+        saved = load_checkpoint(directory)
+        if saved is None:
+            return None
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in saved.items() if k in known})
+        except TypeError as e:  # a required field is missing
+            raise UserError(f"checkpoint {checkpoint_path(directory)} is incomplete ({e}); move it away to start "
+                            f"this peer fresh (it will download the swarm's state)") from None
+

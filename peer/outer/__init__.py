@@ -3,5 +3,6 @@
 - ``state.py``          ``GlobalState`` (G, m, e, tokens, lineage) and ``state_hash``
 - ``nesterov.py``       the FMA-free Nesterov outer step
 - ``schedule.py``       the inner and outer lr schedules (a portable cosine)
-- ``contributions.py``  this peer's own recent deltas, re-contributed after losing a fork
+- ``contributions.py``  this peer's own recent deltas, kept encoded
+- ``lineage.py``        what a rebase keeps, carries or drops of this peer's unmerged work
 """

@@ -1,6 +1,13 @@
 """The node and its rounds: build the parts, train, sync, report, checkpoint.
 
-- ``node.py``      ``Peer``: builds the parts and runs the round loop
-- ``sync.py``      one round's sync: catch up, average, apply
-- ``schedule.py``  when a round ends: the group's agreed length, or the swarm's published plans
+- ``decide.py``     the round's decisions as one pure function over a typed view: ``decide(view) -> Action``
+- ``sync.py``       ``Synchronizer``: one round's sync, acting on those decisions (attempt, average, apply)
+- ``catchup.py``    adopting a better state: download, hash check, rebase; settling; handing over on leaving
+- ``announce.py``   our record: our state and what we say (schedule, status, the state we download)
+- ``transport.py``  what a round needs from the network, and its real implementation over hivemind
+- ``schedule.py``   ``RoundClock``: when a round ends (the group's agreed length, or the swarm's plans)
+- ``inflight.py``   a round's sync in flight, here or in the background (overlap)
+- ``metrics.py``    a round's metrics record
+- ``build.py``      every part of a node, built from its configs with its collaborators passed in
+- ``node.py``       ``Peer``: the round loop, reports, checkpoints, leaving
 """

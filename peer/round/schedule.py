@@ -1,9 +1,9 @@
 """When a round's inner phase ends, so that peers holding the same state reach matchmaking together.
 
 - After an outer step the group already agrees: its members shared their pace in the all-reduce and
-  all computed the same length for the next round (``Synchronizer._next_round_seconds``).
+  all computed the same length for the next round (``peer.swarm.timing.next_round_seconds``).
 - A peer without that agreement (a joiner, or one that missed its group and caught up) lines up with
-  the plans that the peers holding its state published in their records (``consensus.round_target``).
+  the plans that the peers holding its state published in their records (``timing.round_target``).
   If it adopts the state while they are syncing it, it ends its round at once and joins them: they expect it
   (its record said it was downloading their state), and a round of its own would end after their group closed.
   Until it finds such plans it keeps training and keeps looking: once the swarm moves on, it catches
@@ -16,21 +16,25 @@ matchmaking; a peer alone, or before any pace is known, does exactly H steps.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Callable, Optional
 
-from hivemind.utils import get_dht_time
-
 from peer.config import RunConfig
-from peer.round.sync import Synchronizer
-from peer.swarm.consensus import peers_with_state, round_target
+from peer.round.announce import Announcer
+from peer.round.catchup import StateCatchUp
+from peer.swarm.clock import Clock
+from peer.swarm.consensus import peers_with_state
+from peer.swarm.records import RecordCache
+from peer.swarm.timing import round_target
 
 WATCH_INTERVAL = 1.0  # seconds between looks at the swarm while a round is not lined up
 
 
 class RoundClock:
-    def __init__(self, run: RunConfig, synchronizer: Synchronizer, publish: Callable[[Optional[float]], None]):
-        self.run, self.synchronizer, self.publish = run, synchronizer, publish
+    def __init__(self, run: RunConfig, catchup: StateCatchUp, cache: RecordCache, announcer: Announcer,
+                 answered: threading.Event, clock: Clock, publish: Callable[[Optional[float]], None]):
+        self.run, self.catchup, self.cache, self.announcer, self.clock = run, catchup, cache, announcer, clock
+        self.answered = answered  # a peer gone silent answered a ping (a healed partition, say)
+        self.publish = publish
         self.step_seconds: Optional[float] = None  # EMA of this peer's seconds per inner step
         self.agreed_end: Optional[float] = None  # DHT time at which the group agreed the next round ends
         self.deadline: Optional[float] = None  # monotonic time the current inner phase ends, if any
@@ -46,8 +50,8 @@ class RoundClock:
     def begin(self) -> int:
         """Plan the next inner phase; returns the step budget. Catches up first if the swarm moved on."""
         # with overlap, the sync in flight catches up itself; two at once would both rebase
-        self.rebased = not self.sync_in_flight() and self.synchronizer.catch_up(timeout=60.0)
-        now = get_dht_time()
+        self.rebased = not self.sync_in_flight() and self.catchup.catch_up(timeout=60.0).adopted
+        now = self.clock.dht_time()
         target = self.agreed_end if self.agreed_end and self.agreed_end > now and not self.rebased else None
         self.agreed_end = None
         self.aligned = target is not None
@@ -61,30 +65,31 @@ class RoundClock:
         return 10**9 if self.run.round_seconds else 2 * self.run.inner_steps
 
     def over(self, steps_done: int) -> bool:
-        return steps_done > 0 and self.deadline is not None and time.monotonic() >= self.deadline
+        return steps_done > 0 and self.deadline is not None and self.clock.monotonic() >= self.deadline
 
     def watch(self) -> None:
         """Called between inner steps: an unaligned peer looks for the swarm's schedule and catches up; so does an
         aligned one once a peer gone silent answers a ping (a healed partition: the other side's state may win)."""
-        news = self.synchronizer.publisher.answered
+        news = self.answered
         if (self.aligned and not news.is_set()) or self.sync_in_flight() or \
-                time.monotonic() - self._last_watch < WATCH_INTERVAL:
+                self.clock.monotonic() - self._last_watch < WATCH_INTERVAL:
             return
-        self._last_watch = time.monotonic()
+        self._last_watch = self.clock.monotonic()
         news.clear()
-        if self.synchronizer.catch_up(timeout=60.0):
+        if self.catchup.catch_up(timeout=60.0).adopted:
             self.rebased = True
-            if self.synchronizer.holders_syncing():
+            if self.catchup.holders_syncing():
                 # they may be waiting for us: end the round now and join them. Our published plan stays as it
                 # was: a plan of "now" would draw others' rounds (the median of plans) short too
                 self.aligned = True
-                self._set_deadline(get_dht_time(), get_dht_time())
+                now = self.clock.dht_time()
+                self._set_deadline(now, now)
                 return
         elif self.aligned:  # our state still wins: our group's plan stands
             return
-        now = get_dht_time()
-        records, mine = self.synchronizer.records.values(), self.synchronizer.my_record()
-        others = [r for r in peers_with_state(records, mine) if r.next_sync_at and r.next_sync_at > now]
+        now = self.clock.dht_time()
+        records, mine = self.cache.records.values(), self.announcer.record()
+        others = [r for r in peers_with_state(records, mine, now) if r.next_sync_at and r.next_sync_at > now]
         if others:
             target = round_target(records, mine, None, now)
             self.aligned = True
@@ -99,7 +104,7 @@ class RoundClock:
     def retarget(self, end: float) -> None:
         """Overlap, from the sync thread once the group agreed: the round in progress ends at ``end`` (DHT time)."""
         self.aligned = True
-        self._set_deadline(end, get_dht_time())
+        self._set_deadline(end, self.clock.dht_time())
 
     def finish(self, steps: int, compute_seconds: float, next_round_seconds: Optional[float],
                anchor: Optional[float] = None) -> None:
@@ -110,20 +115,20 @@ class RoundClock:
             seconds, weight = compute_seconds / steps, 0.5 * min(1.0, steps / self.run.inner_steps)
             self.step_seconds = seconds if self.step_seconds is None else \
                 (1 - weight) * self.step_seconds + weight * seconds
-        self.agreed_end = (anchor or get_dht_time()) + next_round_seconds if next_round_seconds else None
+        self.agreed_end = (anchor or self.clock.dht_time()) + next_round_seconds if next_round_seconds else None
 
     def _own_plan(self, now: float) -> Optional[float]:
         pace = self.run.round_seconds or (self.step_seconds * self.run.inner_steps if self.step_seconds else None)
         return now + pace if pace else None
 
     def _target_from_records(self, now: float) -> Optional[float]:
-        records, mine = self.synchronizer.records.values(), self.synchronizer.my_record()
-        if peers_with_state(records, mine):
-            self.aligned = any(r.next_sync_at and r.next_sync_at > now for r in peers_with_state(records, mine))
+        records, mine = self.cache.records.values(), self.announcer.record()
+        if peers_with_state(records, mine, now):
+            self.aligned = any(r.next_sync_at and r.next_sync_at > now for r in peers_with_state(records, mine, now))
             return round_target(records, mine, self._own_plan(now), now)
         self.aligned = True  # nobody else holds our state: there is no one to line up with
         return self._own_plan(now) if self.run.round_seconds else None
 
     def _set_deadline(self, target: Optional[float], now: float) -> None:
         self.target = target
-        self.deadline = None if target is None else time.monotonic() + (target - now)
+        self.deadline = None if target is None else self.clock.monotonic() + (target - now)

@@ -1,5 +1,9 @@
 """How a peer reads the swarm: pure functions over the peers' DHT records and the group's gathered metadata.
 
 - ``consensus.py``  responsiveness, fork choice, the expected group, voters and the majority rule
+- ``metadata.py``   the typed group metadata every member reads alike (``Contribution``), and ``Averaged``
+- ``timing.py``     when rounds end: the group's agreed length, the round in progress, the swarm's plans
 - ``deadlines.py``  all-reduce deadlines that follow measured round times
+- ``records.py``    the record cache: the swarm as last read, kept across a failed read
+- ``clock.py``      time as the round reads it (monotonic, DHT time, sleep), so tests can fake it
 """

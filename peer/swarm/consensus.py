@@ -6,20 +6,18 @@
   every peer that reads the same records picks the same winner;
 - the expected group: live peers that hold our exact state or are downloading it, so the matchmaking
   leader can close the group as soon as they have all joined instead of waiting out the grace window;
-- the round target: when the peers holding our state plan to sync, so rounds end together and a
-  joiner lines its first round up with the others';
 - the majority rule: when matchmaking splits the peers at one state into two groups, only a group
   holding more than half of them applies its round; the other adopts that state instead of forking it.
 """
 
 from __future__ import annotations
 
-import statistics
-from typing import Dict, Iterable, List, Optional
+from typing import Iterable, List, Optional
 
 from hivemind.utils import get_dht_time
 
 from dht.records import PeerRecord
+from peer.swarm.metadata import Gathered
 
 SILENCE_SLACK = 10.0  # seconds past its planned sync a peer may stay silent before others stop waiting for it
 HEARTBEAT_MISSES = 3  # heartbeats a record may miss (a slow DHT store, say) before its peer counts as gone
@@ -110,7 +108,7 @@ def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float]
                    if r.peer_id != mine.peer_id and (holds_state(r, mine) or r.peer_id in producers))
 
 
-def minority(gathered: Dict[str, dict]) -> Optional[str]:
+def minority(gathered: Gathered) -> Optional[str]:
     """Why this group must not apply its round, or None if it may. Every member computes it from the same
     gathered data, so the whole group decides alike.
 
@@ -124,17 +122,17 @@ def minority(gathered: Dict[str, dict]) -> Optional[str]:
     one other, the three peers still retrying that round, and forked it). Dead or frozen peers leave the electorate
     once they are no longer ``responsive``."""
     size = len(gathered)
-    electorate = max(int(info.get("voters", 1)) for info in gathered.values())
-    missed = max(int(info.get("missed", 0)) for info in gathered.values())
+    electorate = max(contribution.voters for contribution in gathered.values())
+    missed = max(contribution.missed for contribution in gathered.values())
     stalled = (2 if majority_elsewhere(gathered) else 1) * MAX_MISSED
     if 2 * size > electorate or missed + 1 >= stalled:
         return None
     return f"our group holds {size} of the {electorate} peers at our state, not a majority"
 
 
-def majority_elsewhere(gathered: Dict[str, dict]) -> bool:
+def majority_elsewhere(gathered: Gathered) -> bool:
     """Could the peers outside this group hold a majority of the electorate (and so apply this round)?"""
-    electorate = max(int(info.get("voters", 1)) for info in gathered.values())
+    electorate = max(contribution.voters for contribution in gathered.values())
     return 2 * (electorate - len(gathered)) > electorate
 
 
@@ -165,14 +163,3 @@ def awaiting_state(records: Iterable[PeerRecord], mine: PeerRecord, now: Optiona
     if any(holds_state(r, mine) and not r.client_mode for r in others):
         return []
     return [r.peer_id for r in others if fork_key(mine) < fork_key(r)]
-
-
-def round_target(records: Iterable[PeerRecord], mine: PeerRecord, own_plan: Optional[float],
-                 now: float) -> Optional[float]:
-    """When this round should end: the median of the planned sync times of every live peer holding our
-    state, our own plan included. Peers that read the same records end their rounds together, the
-    fast ones doing a few more steps and the slow ones a few fewer, so nobody waits at matchmaking."""
-    times = [r.next_sync_at for r in peers_with_state(records, mine, now) if r.next_sync_at and r.next_sync_at > now]
-    if own_plan is not None:
-        times.append(own_plan)
-    return statistics.median(times) if times else None

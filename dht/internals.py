@@ -1,0 +1,169 @@
+"""Every reach into hivemind's private parts, in one place, for the one hivemind release they were written against.
+
+hivemind 1.1.12 has no public way to do what a serverless, exact and measured round needs: dial a peer and
+learn at once whether it is gone, drop a stale connection, sign DHT records with a peer's own identity key,
+count the bytes its p2p streams carry, re-key and resize matchmaking for each round, tell when no group
+formed, and run a method in the averager's process. Each function below does one of these through hivemind's
+private attributes. A new hivemind release may move any of them, so ``check_version`` refuses one this module
+was not checked against, in one line, before anything starts.
+
+The subclasses of hivemind's all-reduce runner, part container and reducer (``peer/averaging/allreduce.py``)
+and of its averager (``peer/averaging/averager.py``) override hivemind's own methods and use the fields they
+inherit, as subclasses do; they, too, hold only for the versions named here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, Sequence
+
+import hivemind
+from hivemind.dht.crypto import RSAPrivateKey
+from hivemind.p2p import P2P, PeerID
+
+from dht.errors import UserError
+
+TESTED_VERSIONS = ("1.1.12",)  # hivemind releases whose internals this module was checked against
+
+
+def check_version(version: str = hivemind.__version__) -> None:
+    """A one-line error for a hivemind release this module was not checked against."""
+    if version not in TESTED_VERSIONS:
+        raise UserError(f"hivemind {version} is installed, but this peer relies on the internals of hivemind "
+                        f"{' or '.join(TESTED_VERSIONS)}: pip install hivemind=={TESTED_VERSIONS[-1]}")
+
+
+# ---- the p2p daemon ----
+def connect(p2p: P2P, peer_id: PeerID, addresses: Sequence[Any] = ()) -> Awaitable[None]:
+    """Dial ``peer_id`` (at ``addresses``, or those the daemon knows), or reuse an open connection. hivemind's P2P
+    has no public connect; its daemon client does."""
+    return p2p._client.connect(peer_id, list(addresses))
+
+
+def disconnect(p2p: P2P, peer_id: PeerID) -> Awaitable[None]:
+    """Close our daemon's connection to ``peer_id``, so that the next request dials afresh."""
+    return p2p._client.disconnect(peer_id)
+
+
+def sign_records_with(key: RSAPrivateKey) -> None:
+    """Make ``key`` the process-wide key that signs this process's DHT records (hivemind keeps one per process)."""
+    with RSAPrivateKey._process_wide_key_lock:
+        RSAPrivateKey._process_wide_key = key
+
+
+def meter_streams(count_sent: Callable[[int], None], count_received: Callable[[int], None]) -> None:
+    """Report the size of every message this process writes to or reads from its p2p streams, with hivemind's
+    framing (a 1-byte marker and an 8-byte length per message). Patches ``P2P`` for the whole process."""
+    send, receive = P2P.send_raw_data, P2P.receive_raw_data
+    overhead = 1 + P2P.HEADER_LEN
+
+    async def send_raw_data(data, writer, *args, **kwargs):
+        count_sent(len(data) + overhead)
+        return await send(data, writer, *args, **kwargs)
+
+    async def receive_raw_data(reader):
+        data = await receive(reader)
+        count_received(len(data) + overhead)
+        return data
+
+    P2P.send_raw_data, P2P.receive_raw_data = staticmethod(send_raw_data), staticmethod(receive_raw_data)
+
+
+# ---- the averager and its process ----
+def call_in_averager(averager, method: str, **kwargs) -> None:
+    """Run ``averager.method(**kwargs)`` in the averager's own process, as hivemind's public methods do."""
+    averager._outer_pipe.send((method, [], kwargs))
+
+
+def averager_p2p(averager) -> P2P:
+    """The averager process's replica of the p2p daemon client."""
+    return averager._p2p
+
+
+def averaged_tensors(averager) -> Sequence[Any]:
+    """The tensors the averager averages, as it holds them (shared memory)."""
+    return averager._averaged_tensors
+
+
+def register_runner(averager, group_id, runner) -> None:
+    """Hand the group's all-reduce runner to hivemind's RPC handlers, which route groupmates' parts to it."""
+    averager._running_groups[group_id].set_result(runner)
+
+
+def state_from_host(averager) -> Awaitable[Any]:
+    """Ask the peer's main process for the state it shares (``get_current_state``)."""
+    return averager._get_current_state_from_host_process()
+
+
+def retrieve_runner_error(runner) -> None:
+    """Mark a finished runner's exception as retrieved (raised already; else asyncio logs it as never retrieved)."""
+    if runner._future.done() and not runner._future.cancelled():
+        runner._future.exception()
+
+
+# ---- matchmaking, one round at a time ----
+def matchmaking(averager):
+    """The averager's matchmaking (its process only)."""
+    return averager._matchmaking
+
+
+def use_round_key(matchmaking, bits: str) -> None:
+    """Meet only the peers under these key bits this round. hivemind re-buckets the key after each group,
+    assuming groups never exceed the target; our key is set afresh every round, so that is turned off (it raises
+    when a group outgrows the target)."""
+    async def keep_key(_group_info) -> None:
+        pass
+
+    manager = matchmaking.group_key_manager
+    manager.group_bits = bits
+    manager.update_key_on_group_assembled = keep_key
+
+
+def set_group_sizes(matchmaking, min_group: int, target: int) -> None:
+    """A leader closes its group once ``target`` peers joined, or at the end of the window with ``min_group``."""
+    matchmaking.min_group_size = min_group
+    set_target(matchmaking, target)
+
+
+def set_target(matchmaking, target: int) -> None:
+    matchmaking.target_group_size = target
+    matchmaking.group_key_manager.target_group_size = target
+    matchmaking.potential_leaders.target_group_size = target
+
+
+def group_sizes(matchmaking) -> tuple:
+    """(min_group, target, window seconds) as set for this round."""
+    return matchmaking.min_group_size, matchmaking.target_group_size, matchmaking.min_matchmaking_time
+
+
+def join_lock(matchmaking):
+    """The lock hivemind holds while a follower joins a leader: group sizes change under it only."""
+    return matchmaking.lock_request_join_group
+
+
+async def close_group_if_complete(matchmaking) -> bool:
+    """If we lead a forming group that now holds the target, assemble it at once (as hivemind does when the last
+    expected follower joins). Call under ``join_lock``."""
+    if (matchmaking.is_looking_for_group and not matchmaking.client_mode and matchmaking.current_leader is None
+            and matchmaking.current_followers and not matchmaking.assembled_group.done()
+            and len(matchmaking.current_followers) + 1 >= matchmaking.target_group_size):
+        await matchmaking.leader_assemble_group()
+        return True
+    return False
+
+
+def raise_when_no_group(matchmaking, error: Callable[[str], BaseException]) -> None:
+    """Make a matchmaking that ends without a group raise ``error`` instead of returning None, so that the caller
+    sees a failure of its own type (hivemind raises a plain AllreduceException, told apart only by its text).
+    Installed once per matchmaking."""
+    if getattr(matchmaking, "_raises_when_no_group", False):
+        return
+    look_for_group = matchmaking.look_for_group
+
+    async def look_or_raise(step):
+        group = await look_for_group(step)
+        if group is None:
+            raise error("could not find a group")
+        return group
+
+    matchmaking.look_for_group = look_or_raise
+    matchmaking._raises_when_no_group = True

@@ -1,0 +1,188 @@
+"""State sharing: a joiner downloads (G, m) and their metadata from several donors at once, slice by slice.
+
+hivemind's averager downloads a state from one donor. Here a downloader asks every peer that holds the wanted
+state hash, a slice from each in turn, and when a donor dies or stalls it takes that donor's slices from the
+others. A donor serves every slice of one download from one snapshot of its state, so that the slices fit
+together even when its state moves on meanwhile, and drops the snapshot once nobody asked for it for
+SNAPSHOT_IDLE seconds. The downloader checks the state's hash (``peer/round/sync.py``).
+
+``StateSharing`` is a mixin of ``SwarmAverager``: its RPC handler and download run in the averager process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
+
+from dht import internals
+from peer.hooks import DONOR
+
+logger = logging.getLogger(__name__)
+
+STATE_SLICE = 1 << 22  # floats per slice of a state download (16 MiB): at least two slices per donor
+SNAPSHOT_IDLE = 30.0  # seconds a donor keeps a state snapshot after the last slice it served from it
+StateProvider = Callable[[], Tuple[Dict[str, Any], Sequence[torch.Tensor]]]
+
+
+class StateSharing:
+    """Serves slices of our state (``rpc_download_slice``) and downloads a state from several donors."""
+
+    _state_provider: StateProvider
+    _shared: Optional[Tuple[Dict[str, Any], List[torch.Tensor]]] = None  # the snapshot donors serve
+    _shared_used = 0.0
+
+    def get_current_state(self):
+        """Called in the main process when a peer downloads our state: (metadata, [G, m], infos)."""
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+    async def _snapshot(self, wanted_hash: str) -> Optional[Tuple[Dict[str, Any], List[torch.Tensor]]]:
+        """Our state as (metadata, [G, m]) if its hash is ``wanted_hash``; one snapshot serves every slice
+        of a download, and is dropped once no one has asked for it for SNAPSHOT_IDLE seconds."""
+        async with self._snapshot_lock:
+            if self._shared is None or self._shared[0].get("hash") != wanted_hash:
+                self._shared = None
+                metadata, tensors, _ = await internals.state_from_host(self)
+                metadata = self.serializer.loads(metadata)
+                if not isinstance(metadata, dict) or metadata.get("hash") != wanted_hash:
+                    return None
+                self._shared = (metadata, list(tensors))
+                asyncio.get_event_loop().call_later(SNAPSHOT_IDLE, self._drop_idle_snapshot)
+            self._shared_used = asyncio.get_event_loop().time()
+            return self._shared
+
+    def _drop_idle_snapshot(self) -> None:
+        idle = asyncio.get_event_loop().time() - self._shared_used
+        if idle >= SNAPSHOT_IDLE:
+            self._shared = None
+        elif self._shared is not None:
+            asyncio.get_event_loop().call_later(SNAPSHOT_IDLE - idle, self._drop_idle_snapshot)
+
+    @property
+    def _snapshot_lock(self) -> asyncio.Lock:
+        if not hasattr(self, "_snapshot_lock_"):
+            self._snapshot_lock_ = asyncio.Lock()  # created in the averager process, on its event loop
+        return self._snapshot_lock_
+
+    async def rpc_download_slice(self, request: averaging_pb2.DownloadData, _context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Stream values [start, end) of G followed by m, from the state with the requested hash; nothing
+        if we no longer hold that state. The first message carries the state's metadata."""
+        try:
+            wanted = self.serializer.loads(request.metadata)
+            wanted_hash, start, end = str(wanted["hash"]), int(wanted["start"]), int(wanted["end"])
+        except Exception:
+            return
+        snapshot = await self._snapshot(wanted_hash)
+        if snapshot is None:
+            return
+        metadata, tensors = snapshot
+        if not 0 <= start < end <= sum(t.numel() for t in tensors):
+            return
+        piece = serialize_torch_tensor(_take(tensors, start, end))
+        for index, part in enumerate(split_for_streaming(piece)):
+            yield averaging_pb2.DownloadData(tensor_part=part, metadata=self.serializer.dumps(metadata) if index == 0
+                                             else b"")
+            if index == 0:
+                self.hooks.at(DONOR, int(metadata.get("epoch", 0)))  # a fault plan may strike mid-transfer
+
+    def download_state(self, donors: Sequence[str], state_hash: str, timeout: float, part_timeout: float
+                       ) -> Optional[Tuple[List[str], Dict, List[torch.Tensor]]]:
+        """Download the state with ``state_hash`` from ``donors`` at once, a slice from each in turn; a donor
+        that fails or stalls is dropped and its slice taken from the others. Returns (donors used,
+        metadata, [G, m]), or None. The caller checks the hash."""
+        future = MPFuture()
+        internals.call_in_averager(self, "_download_state", donors=list(donors), state_hash=state_hash, timeout=timeout,
+                                   part_timeout=part_timeout, future=future)
+        try:
+            return future.result(timeout=timeout + 10)
+        except TimeoutError:  # the averager process is overloaded or stuck: a failed download, not a crash
+            logger.warning(f"the averager process did not finish a state download within {timeout + 10:.0f}s")
+            future.cancel()
+            return None
+
+    async def _download_state(self, donors: List[str], state_hash: str, timeout: float, part_timeout: float,
+                              future: MPFuture) -> None:
+        try:
+            result = await asyncio.wait_for(self._download_striped(donors, state_hash, part_timeout), timeout)
+        except Exception as e:
+            logger.info(f"state download failed: {e!r}")
+            result = None
+        if not future.done():
+            future.set_result(result)
+
+    async def _download_striped(self, donors: List[str], state_hash: str, part_timeout: float):
+        size = internals.averaged_tensors(self)[0].numel()  # G and m are each as large as the pseudo-gradient
+        total = 2 * size
+        count = max(2 * len(donors), -(-total // STATE_SLICE))
+        bounds = [total * i // count for i in range(count + 1)]
+        pending, parts, used, changed = deque(range(count)), {}, [], asyncio.Event()
+        metadata: Dict[str, Any] = {}
+
+        async def worker(donor: str) -> None:
+            stub = self.get_stub(internals.averager_p2p(self), PeerID.from_base58(donor), namespace=self.prefix)
+            while len(parts) < count:
+                if not pending:
+                    changed.clear()
+                    await changed.wait()
+                    continue
+                index = pending.popleft()
+                try:
+                    meta, values = await self._fetch_slice(stub, state_hash, bounds[index], bounds[index + 1],
+                                                           part_timeout)
+                except Exception as e:
+                    pending.appendleft(index)
+                    changed.set()
+                    logger.info(f"state download from {donor} failed ({e!r}); taking its slices from the others")
+                    return
+                parts[index] = values
+                metadata.update(meta)
+                if donor not in used:
+                    used.append(donor)
+                changed.set()
+
+        await asyncio.gather(*(worker(donor) for donor in donors))
+        if len(parts) < count:
+            return None
+        flat = torch.cat([parts[i] for i in range(count)])
+        return used, metadata, [flat[:size], flat[size:]]
+
+    async def _fetch_slice(self, stub, state_hash: str, start: int, end: int, part_timeout: float
+                           ) -> Tuple[Dict[str, Any], torch.Tensor]:
+        request = averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(hash=state_hash, start=start,
+                                                                                 end=end)))
+        stream = await stub.rpc_download_slice(request)
+        metadata, parts = None, []
+        async for message in aiter_with_timeout(stream, timeout=part_timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            parts.append(message.tensor_part)
+        if not isinstance(metadata, dict) or metadata.get("hash") != state_hash or not parts:
+            raise ValueError("the donor no longer holds that state")
+        values = deserialize_torch_tensor(combine_from_streaming(parts))
+        if values.dtype != torch.float32 or values.shape != (end - start,):
+            raise ValueError(f"the donor sent {values.dtype} of shape {tuple(values.shape)} for a slice of "
+                             f"{end - start} floats")
+        return metadata, values
+
+
+def _take(tensors: Sequence[torch.Tensor], start: int, end: int) -> torch.Tensor:
+    """Values [start, end) of the tensors laid end to end (one copy of the slice only)."""
+    pieces, offset = [], 0
+    for tensor in tensors:
+        flat = tensor.reshape(-1)
+        lo, hi = max(start - offset, 0), min(end - offset, flat.numel())
+        if lo < hi:
+            pieces.append(flat[lo:hi])
+        offset += flat.numel()
+    return torch.cat(pieces)

@@ -1,0 +1,251 @@
+"""Build a node's parts from its configs, each with its collaborators passed in: the order a peer starts in.
+
+1. the checkpoint, if any (a corrupt file fails here, before any network), and a stable identity;
+2. the DHT, then the run's manifest: the swarm's, or ours from the checkpoint or the flags;
+3. the trainer and the global state, restored from the checkpoint;
+4. error feedback and the averager process (forked: it inherits the warmed-up codec);
+5. the round's parts: transport, record cache, announcer, lineage, catch-up, synchronizer.
+
+``Parts.close`` shuts down what was started, on every path; a failure half-way closes what was started so far.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+from compression import get_codec
+from compression.feedback import ErrorFeedback, roundtrip
+from dht.addresses import parse_maddrs
+from dht.errors import UserError
+from dht.manifest import RunManifest, join_or_create, publish_manifest, run_namespace
+from dht.node import DHTConfig, signing_identity, start_dht
+from dht.validation import run_validators
+from peer.averaging.averager import SwarmAverager
+from peer.config import NodeConfig, RunConfig, SyncConfig
+from peer.hooks import Hooks
+from peer.ops.checkpoint import CheckpointPayload
+from peer.ops.report import Reporter
+from peer.ops.trackers import Trackers
+from peer.outer.contributions import Contributions
+from peer.outer.lineage import Lineage
+from peer.outer.state import GlobalState
+from peer.round.announce import Announcer, Identity
+from peer.round.catchup import StateCatchUp
+from peer.round.sync import Synchronizer
+from peer.round.transport import SwarmTransport
+from peer.swarm.clock import Clock
+from peer.swarm.deadlines import Deadlines
+from peer.swarm.records import RecordCache
+from peer.train.build import build_trainer
+from peer.train.flat import FlatLayout
+from peer.train.island import Island
+from peer.train.local import LocalModel
+
+
+@dataclass
+class Progress:
+    """This peer's own count of its work, saved in its checkpoints."""
+
+    rounds: int = 0  # rounds this peer finished
+    pending_tokens: int = 0  # tokens of its work not merged yet
+    pending_rounds: int = 0  # rounds of that work
+    last_loss: Optional[float] = None
+
+
+@dataclass
+class Parts:
+    namespace: str  # the name of the run's DHT and matchmaking keys: secret for a private run (--run-token)
+    reporter: Reporter
+    dht: Any
+    peer_id: str
+    manifest: RunManifest
+    run: RunConfig
+    trainer: Any
+    eval_batches: Any
+    layout: FlatLayout
+    state: GlobalState
+    stream: Any
+    progress: Progress
+    feedback: ErrorFeedback
+    averager: SwarmAverager
+    transport: SwarmTransport
+    cache: RecordCache
+    announcer: Announcer
+    lineage: Lineage
+    local: LocalModel
+    catchup: StateCatchUp
+    synchronizer: Synchronizer
+    lock: threading.Lock  # guards the global state against a concurrent download by a peer
+    closer: contextlib.ExitStack
+
+    def close(self) -> None:
+        self.closer.close()
+
+
+def namespace_of(node: NodeConfig) -> str:
+    return run_namespace(node.run_id, node.run_token or os.environ.get("DILOCO_RUN_TOKEN"))
+
+
+def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, net: DHTConfig,
+                island: Optional[Island], hooks: Hooks) -> Parts:
+    if node.threads:
+        torch.set_num_threads(node.threads)
+    with contextlib.ExitStack() as closer:
+        reporter = Reporter(node.metrics_file, node.quiet)
+        closer.callback(reporter.close)
+        payload, net = _checkpoint_and_identity(node, net)
+        net, fresh = signing_identity(net)  # our records are signed with our peer id's own key
+        namespace = namespace_of(node)
+        dht = start_dht(net, run_validators(namespace), check_identity=not fresh)
+        closer.callback(_shut_down, dht)
+        peer_id = dht.peer_id.to_base58()
+        manifest = resolve_manifest(dht, namespace, run_flags, node, net, payload)
+        run = RunConfig.from_settings(dict(manifest.settings))
+        reporter.trackers = Trackers.from_flags(node.tensorboard, node.wandb, name=f"{node.run_id}-{peer_id[-8:]}",
+                                                config=dict(manifest.settings, peer_id=peer_id))
+        if island is not None:  # the other ranks build the same trainer from the same settings
+            island.share(dict(settings=dict(manifest.settings), shard_key=peer_id))
+        corpus, trainer = build_trainer(run, node, island)
+        eval_batches = corpus.eval_batches(run.eval_batches, run.batch_size)
+        layout = FlatLayout(trainer.params)
+        state = GlobalState(params=layout.gather(trainer.params, layout.empty()), momentum=layout.empty())
+        progress, position = Progress(), 0
+        if payload is not None:
+            progress, position = restore(payload, state, trainer, layout, reporter, eval_batches, node)
+        stream = corpus.stream(run.seed, peer_id, position)
+        if island is not None:
+            island.share(position)
+        parts = Parts(namespace=namespace, reporter=reporter, dht=dht, peer_id=peer_id, manifest=manifest, run=run,
+                      trainer=trainer, eval_batches=eval_batches, layout=layout, state=state, stream=stream,
+                      progress=progress, **_round_parts(run, sync, net, hooks, dht, namespace, manifest, peer_id,
+                                                        trainer, layout, state, payload, progress, closer))
+        parts.closer = closer.pop_all()  # from here on, Parts.close shuts everything down
+        return parts
+
+
+def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, hooks: Hooks, dht, namespace: str,
+                 manifest: RunManifest, peer_id: str, trainer, layout: FlatLayout, state: GlobalState,
+                 payload: Optional[CheckpointPayload], progress: Progress, closer: contextlib.ExitStack) -> dict:
+    """Error feedback, the averager process, and the round's parts, each given its collaborators."""
+    lock = threading.Lock()
+    codec = get_codec(run.compression)
+    # encode once now: the first use imports bitsandbytes and self-checks its decoder (seconds on a busy machine),
+    # which inside the first all-reduce would run past the part deadline; the averager process, forked below,
+    # inherits the warm codec
+    roundtrip(codec, torch.zeros(1 << 12))
+    feedback = ErrorFeedback(codec, layout.numel, enabled=run.error_feedback)
+    if payload is not None and feedback.residual is not None and payload.residual is not None:
+        feedback.residual.copy_(payload.residual)
+
+    def share_state():
+        """(metadata, [G, m]) for a peer downloading our state: a consistent snapshot under the lock."""
+        with lock:
+            return state.metadata(), [state.params.clone(), state.momentum.clone()]
+
+    delta, moment = layout.empty(shared=True), layout.empty(shared=True) if run.align_every else None
+    averager = SwarmAverager(
+        delta, moment, dht, prefix=f"{namespace}_{manifest.hash}", codec=codec, state_provider=share_state,
+        quorum=run.quorum, grace_seconds=run.grace_seconds, request_timeout=sync.request_timeout,
+        allreduce_timeout=sync.allreduce_timeout, part_timeout=sync.part_timeout, client_mode=net.client_mode,
+        hooks=hooks, clip_factor=run.clip_factor, ban_after=run.ban_after,
+    )
+    averager.run_in_background(await_ready=True)
+    closer.callback(_shut_down, averager)
+    transport = SwarmTransport(dht, averager, namespace, run.grace_seconds)
+    closer.callback(transport.stop)
+    clock, cache, local = Clock(), RecordCache(peer_id), LocalModel(trainer, layout)
+    announcer = Announcer(transport, Identity(peer_id, manifest.hash, net.client_mode), state)
+    lineage = Lineage(Contributions(codec, run.max_staleness),
+                      carried=payload.carried if payload is not None else None,
+                      recovered_tokens=payload.recovered_tokens if payload is not None else 0,
+                      # unmerged work, trained on G at this epoch: our group may have merged it since
+                      resumed_epoch=state.epoch if progress.pending_tokens else None)
+    deadlines = Deadlines(ceiling=sync.allreduce_timeout, floor=sync.deadline_floor, factor=sync.deadline_factor,
+                          part_ceiling=sync.part_timeout)
+    catchup = StateCatchUp(transport=transport, clock=clock, cache=cache, announcer=announcer, state=state,
+                           local=local, layout=layout, lineage=lineage, feedback=feedback, lock=lock,
+                           deadlines=deadlines, run=run, sync=sync)
+    initial = tuple(m["p2p"] for m in parse_maddrs(net.initial_peers, flag="--initial-peers", need_peer_id=True))
+    synchronizer = Synchronizer(transport=transport, clock=clock, cache=cache, announcer=announcer, catchup=catchup,
+                                state=state, local=local, layout=layout, lineage=lineage, feedback=feedback,
+                                lock=lock, deadlines=deadlines, run=run, sync=sync, has_moment=moment is not None,
+                                hooks=hooks, initial_peer_ids=initial)
+    return dict(feedback=feedback, averager=averager, transport=transport, cache=cache, announcer=announcer,
+                lineage=lineage, local=local, catchup=catchup, synchronizer=synchronizer, lock=lock, closer=closer)
+
+
+def _shut_down(component) -> None:
+    if component.is_alive():
+        component.shutdown()
+
+
+def _checkpoint_and_identity(node: NodeConfig, net: DHTConfig):
+    """The checkpoint to resume from (None for a fresh peer), and the identity file it keeps the peer id with."""
+    if not node.checkpoint_dir:
+        return None, net
+    os.makedirs(node.checkpoint_dir, exist_ok=True)
+    payload = CheckpointPayload.load(node.checkpoint_dir)  # a corrupt file fails here, before any network
+    if net.identity_path is None:
+        net = dataclasses.replace(net, identity_path=os.path.join(node.checkpoint_dir, "identity.key"))
+    return payload, net
+
+
+def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeConfig, net: DHTConfig,
+                     payload: Optional[CheckpointPayload]) -> RunManifest:
+    """The run's manifest: the swarm's if it has one, else ours (from the checkpoint or the flags)."""
+    run_id = node.run_id
+    if payload is not None:
+        proposal = RunManifest.from_record(namespace, payload.manifest_record)
+        if proposal is None:
+            raise UserError(f"checkpoint in {node.checkpoint_dir} holds no valid signed run manifest (an "
+                            f"older format?); use another --checkpoint-dir")
+    else:
+        proposal = RunManifest(namespace, RunConfig(**run_flags).to_settings())
+    if net.initial_peers:
+        manifest = join_or_create(dht, proposal, node.run_key)
+    else:
+        manifest = proposal if proposal.verified() else proposal.signed()
+        if node.run_key is not None and manifest.creator != node.run_key.strip():
+            raise UserError("--run-key names another creator, but this peer starts the run itself (no "
+                            "--initial-peers): drop --run-key, or pass the run's --initial-peers")
+        publish_manifest(dht, manifest)
+    for name, value in run_flags.items():
+        if manifest.settings.get(name) != value:
+            raise UserError(
+                f"--{name.replace('_', '-')} {value} conflicts with run '{run_id}', which uses "
+                f"{name}={manifest.settings.get(name)}; drop the flag to join it, or pass another --run-id "
+                f"to start a new run"
+            )
+    if payload is not None and payload.manifest_hash != manifest.hash:
+        raise UserError(
+            f"checkpoint in {node.checkpoint_dir} belongs to another configuration of run '{run_id}' "
+            f"(manifest {payload.manifest_hash}, the swarm's is {manifest.hash}); use another --checkpoint-dir"
+        )
+    return manifest
+
+
+def restore(payload: CheckpointPayload, state: GlobalState, trainer, layout: FlatLayout, reporter: Reporter,
+            eval_batches, node: NodeConfig):
+    """Resume epoch, outer state, inner model and optimizer from a checkpoint; returns (progress, data position)."""
+    state.params.copy_(payload.params)
+    state.momentum.copy_(payload.momentum)
+    state.epoch, state.tokens_total, state.merged = int(payload.epoch), int(payload.tokens_total), dict(payload.merged)
+    layout.scatter(payload.theta, trainer.params)
+    trainer.optimizer.load_state_dict(payload.optimizer)
+    trainer.local_steps = int(payload.local_steps)
+    progress = Progress(int(payload.rounds), int(payload.pending_tokens), int(payload.pending_rounds),
+                        payload.last_loss)
+    eval_loss = trainer.evaluate(eval_batches)  # the level we resume at, on the held-out split
+    loss, partial = progress.last_loss, int(payload.round_steps)
+    reporter.info(f"resumed from {node.checkpoint_dir}: epoch {state.epoch}, "
+                  f"loss {loss if loss is None else round(loss, 3)}, held-out eval {eval_loss:.6f}"
+                  + (f", {partial} steps into a round ({progress.pending_tokens} tokens of work unmerged)"
+                     if partial else ""))
+    return progress, int(payload.data_position)

@@ -1,0 +1,162 @@
+"""Catching up: adopt the swarm's best state when it beats ours, keeping our own unmerged work.
+
+- ``catch_up``: by the fork choice (``consensus.choose_state``), download the best state from its holders, check
+  its hash, and rebase onto it (``peer/outer/lineage.py``). Our record says we are downloading it meanwhile, so
+  its holders' next group waits for us.
+- ``settle``: after an attempt that failed for us once our reducer had finished (or a minority group), look for
+  our group's finished state and adopt it, before averaging our delta again into a different state.
+- ``hand_over``: before leaving, serve our state while peers that lack it could get it from nobody else.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from compression.feedback import ErrorFeedback
+from dht.records import PeerRecord
+from peer.config import RunConfig, SyncConfig
+from peer.outer.lineage import Lineage, Rebase, rebase_kind
+from peer.outer.state import GlobalState, state_hash
+from peer.round.announce import Announcer
+from peer.round.decide import settle_longer
+from peer.swarm.clock import Clock
+from peer.swarm.consensus import awaiting_state, choose_state, syncing_now
+from peer.swarm.deadlines import Deadlines
+from peer.swarm.records import RecordCache
+from peer.train.flat import FlatLayout
+from peer.train.local import LocalModel
+
+logger = logging.getLogger(__name__)
+
+SETTLE_SECONDS, SETTLE_POLL = 2.0, 0.25  # how long a failed member looks for its group's finished state
+LOOKUP_TIMEOUT = 2.0  # seconds a look at the swarm's records may block training (a partition slows the DHT)
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    adopted: bool = False  # we rebased onto the swarm's better state
+    merged_ours: bool = False  # that state merged the delta we had just attempted (``attempted_epoch``)
+    unreachable: bool = False  # a better state exists, but none of its holders served it
+
+
+class StateCatchUp:
+    def __init__(self, *, transport, clock: Clock, cache: RecordCache, announcer: Announcer, state: GlobalState,
+                 local: LocalModel, layout: FlatLayout, lineage: Lineage, feedback: ErrorFeedback,
+                 lock: threading.Lock, deadlines: Deadlines, run: RunConfig, sync: SyncConfig):
+        self.transport, self.clock, self.cache, self.announcer = transport, clock, cache, announcer
+        self.state, self.local, self.layout, self.lineage, self.feedback = state, local, layout, lineage, feedback
+        self.lock, self.deadlines, self.run, self.config = lock, deadlines, run, sync
+
+    def refresh(self) -> Dict[str, PeerRecord]:
+        """Read the swarm's records (within what a matchmaking request may take: a lookup crosses several hops)."""
+        fetched = self.transport.read_records(max(LOOKUP_TIMEOUT, self.config.request_timeout))
+        return self.cache.update(fetched, self.clock.dht_time())
+
+    def holders_syncing(self) -> bool:
+        """Are the holders of our state in a sync now (``consensus.syncing_now``)? A fresh look: records read before
+        a download predate it."""
+        return bool(syncing_now(self.refresh().values(), self.announcer.record(), self.clock.dht_time()))
+
+    def catch_up(self, timeout: float, attempted_epoch: Optional[int] = None) -> CatchUp:
+        """Adopt the swarm's best state if it beats ours. ``attempted_epoch``: we just sent our delta in an
+        all-reduce at this epoch that failed for us; if the adopted state merged it there, ``merged_ours``."""
+        best = choose_state(self.refresh().values(), self.announcer.record())
+        if best is None:
+            return CatchUp()
+        donors = [r.peer_id for r in self.cache.records.values()
+                  if r.state_hash == best.state_hash and not r.client_mode]
+        logger.info(f"swarm is at epoch {best.epoch} ({best.state_hash[:8]}), we are at {self.state.epoch}: "
+                    f"downloading the state from {len(donors)} peer(s)")
+        self.announcer.adopting(best.state_hash)  # its holders' next group expects us (``consensus.joining``)
+        try:
+            downloaded = self.transport.download(donors, best.state_hash, timeout=timeout,
+                                                 part_timeout=self.deadlines.part())
+            if downloaded is None:
+                logger.warning("could not download the swarm's state from any holder; training on ours for now")
+                return CatchUp(unreachable=True)
+            used, metadata, tensors = downloaded
+            kind = self.adopt(metadata, tensors, attempted_epoch)
+            if kind is None:
+                logger.warning(f"the state from {', '.join(used)} fails its hash check; ignored")
+                return CatchUp()
+            logger.info(f"adopted epoch {self.state.epoch} ({self.state.hash()[:8]}), downloaded from "
+                        f"{len(used)} peer(s)")
+            return CatchUp(adopted=True, merged_ours=kind is Rebase.OURS_MERGED)
+        finally:
+            self.announcer.adopting(None)  # republished at once, with the state we adopted if we did
+
+    def adopt(self, metadata: dict, tensors: List[torch.Tensor],
+              attempted_epoch: Optional[int] = None) -> Optional[Rebase]:
+        """Verify a downloaded (G, m, e) against its hash and rebase onto it; None if it fails the check."""
+        try:
+            params, momentum = (t.to(torch.float32).reshape(-1).contiguous() for t in tensors)
+            epoch, tokens_total, claimed = int(metadata["epoch"]), int(metadata["tokens_total"]), metadata["hash"]
+            merged = {str(k): int(v) for k, v in dict(metadata.get("merged", {})).items()}
+        except (KeyError, TypeError, ValueError):
+            return None
+        if params.numel() != self.layout.numel or momentum.numel() != self.layout.numel:
+            return None
+        if state_hash(params, momentum, epoch) != claimed:
+            return None
+        ours = merged.get(self.announcer.identity.peer_id, -1)
+        kind = rebase_kind(ours, attempted_epoch, self.lineage.take_resumed_epoch())
+        with self.lock:
+            if kind is Rebase.OURS_MERGED:  # what we sent, carried deltas included, is merged
+                self.feedback.commit(self.lineage.own_delta(self.state.params, self.local.gather(self.layout.empty())))
+            self.lineage.rebase(kind, ours, params)
+            if kind is Rebase.KEEP_WORK:
+                self.local.shift(params - self.state.params)
+            else:
+                self.local.set(params)
+            self.state.params, self.state.momentum = params, momentum
+            self.state.epoch, self.state.tokens_total, self.state.merged = epoch, tokens_total, merged
+        return kind
+
+    def settle(self, their_end: float, deadline: float, attempts: int) -> Tuple[CatchUp, int]:
+        """After an attempt that failed for us once our reducer had finished: did some groupmate finish it? (Also
+        after a minority group: when does the majority's state appear?) A lost reducer, or a deadline that fired on
+        us first, can fail the all-reduce for us after the others received every part and applied it. Retrying at
+        once would average our delta a second time, into a different state (a fork). So first look for a
+        groupmate's new state (members publish it as soon as they apply) until SETTLE_SECONDS past ``their_end``
+        (monotonic), when the last of them must have finished or failed too, and adopt it if it appears.
+
+        If by then we see that state but none of its holders answers (a reducer that finished the round, then lost
+        its link), we spend our next attempt's time (within ``deadline``) trying again (``decide.settle_longer``):
+        its link may come back. (Measured: a 6-s cut at a reducer's reduce phase; the others' download from it
+        timed out in TCP's retransmission backoff after the link was back, and they retried as a pair, so the
+        round's group held two states for a round.) Returns what we found, and the attempts spent on it (0 or 1)."""
+        attempted, clock = self.state.epoch, self.clock
+        settle_until = max(clock.monotonic(), their_end) + SETTLE_SECONDS
+        extended = False
+        while True:
+            found = self.catch_up(timeout=max(settle_until - clock.monotonic(), 1.0), attempted_epoch=attempted)
+            if found.adopted:
+                return found, int(extended)
+            now = clock.monotonic()
+            if now >= settle_until:
+                if not settle_longer(extended, found.unreachable, attempts + extended, self.config.retries,
+                                     deadline - now):
+                    return found, int(extended)
+                extended = True
+                settle_until = min(deadline, now + self.run.grace_seconds + self.deadlines.allreduce() + SETTLE_SECONDS)
+                logger.info("our group's new state is held by peers that do not answer now; trying again for "
+                            f"{settle_until - now:.0f}s before averaging without them")
+                continue
+            clock.sleep(SETTLE_POLL)
+
+    def hand_over(self) -> List[str]:
+        """Before leaving (our record says ``LEAVING``): stay, serving our state, while peers that lack it could get
+        it from nobody else (``consensus.awaiting_state``), for at most as long as a member may look for its group's
+        state (``settle``: grace + all-reduce deadline + SETTLE_SECONDS). Returns those still without it."""
+        timeout = self.run.grace_seconds + self.deadlines.allreduce() + SETTLE_SECONDS
+        mine, deadline = self.announcer.record(), self.clock.monotonic() + timeout
+        while True:
+            missing = awaiting_state(self.refresh().values(), mine, self.clock.dht_time())
+            if not missing or self.clock.monotonic() >= deadline:
+                return missing
+            self.clock.sleep(SETTLE_POLL)

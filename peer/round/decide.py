@@ -1,0 +1,290 @@
+"""The round's decisions, as one pure function: ``decide(view) -> Action``.
+
+A sync (``peer/round/sync.py``) is a loop: build a ``View`` of what this peer knows now, ask ``decide`` what to do,
+do it, and look again. Every choice the protocol makes lives here, over typed facts: the swarm's records, our
+own record, the counters of this sync, and what the last action found out. Nothing here waits, reads the network
+or touches a tensor, so every branch is tested in milliseconds (``tests/test_decide.py``), and the same code can
+drive a simulated swarm.
+
+The phases of a sync, and what each decides:
+
+- ``BEGIN``, after the sync's first catch-up. A restart whose resumed work the swarm had merged already stops
+  (it would count that work twice). A peer that just adopted the swarm's state joins its holders if they are
+  syncing now (they may be waiting for it); else it keeps training on their state and contributes at their
+  next sync.
+- ``READY``, buffers filled and records read, before an attempt: whom to average with. Nobody else at our state:
+  a lone peer steps alone, unless the records are late or the others are behind (they will join us next round),
+  or a live peer holds a better state, or the quorum is above 1. Else: average with the expected group.
+- ``FAILED``, an attempt raised: by the failure's type (``Failure``), never its text.
+  A minority group, or a member's reducer that finished before the attempt failed for us (``MAYBE_APPLIED``),
+  first looks for its group's finished state (``SETTLE``); a lost member retries with the survivors; no group at
+  all first catches up.
+- ``SETTLED``: a minority that adopted the majority's state is rebased; a maybe-applied attempt whose group did
+  merge our delta is applied; else a retry.
+- ``CAUGHT_UP``, after a missed group: rebased if we adopted a state; retry at once if the holders of our state
+  just began syncing; after MAX_MISSED rounds stuck with nobody else voting at our state, step alone; else wait
+  for the next round.
+- ``AVERAGED``: apply the group's average, if every member held our state.
+
+Finishing outcomes are ``Outcome``s: the metrics' ``outcome``, and ``describe`` gives the line of text that the
+metrics call ``error``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from dht.records import PeerRecord
+from peer.swarm.consensus import (
+    MAX_MISSED,
+    joining,
+    peers_ahead,
+    peers_behind,
+    peers_with_state,
+    syncing_now,
+    voters,
+)
+from peer.swarm.metadata import Gathered
+
+
+class Phase(enum.Enum):
+    BEGIN = "begin"
+    READY = "ready"
+    FAILED = "failed"
+    SETTLED = "settled"
+    CAUGHT_UP = "caught_up"
+    AVERAGED = "averaged"
+
+
+class Failure(enum.Enum):
+    """How an averaging attempt failed, from the exception's type (``peer/averaging/failures.py``)."""
+
+    NO_GROUP = "no_group"  # matchmaking formed no group
+    MINORITY = "minority"  # the group is a minority of the peers at our state; a majority elsewhere may apply
+    NO_MAJORITY = "no_majority"  # a minority, with no majority possible elsewhere either (a 2|2 split)
+    LOST_MEMBER = "lost_member"  # the all-reduce lost a member: nothing from it was applied
+    MAYBE_APPLIED = "maybe_applied"  # it failed for us after our reducer finished: the others may have applied
+
+
+class Outcome(enum.Enum):
+    """Why a sync ended as it did."""
+
+    APPLIED = "applied"  # our group's (or our own, alone) outer step
+    GROUP_FINISHED_WITHOUT_US = "group_finished_without_us"  # adopted our group's state, which merged our delta
+    RESUMED_MERGED = "resumed_merged"  # the swarm had merged the work this restart resumed: not sent again
+    CAUGHT_UP = "caught_up"  # adopted the swarm's state; contributing at its next sync
+    MISSED_GROUP = "missed_group"  # missed the group, then caught up; contributing at the next sync
+    MINORITY_ADOPTED = "minority_adopted"  # our group was a minority: adopted the majority's state
+    MINORITY = "minority"  # our group was a minority: not applied, contributing next round
+    DIVERGED = "diverged"  # our pseudo-gradient is not finite: this round's work is dropped
+    RECORDS_LATE = "records_late"  # the swarm's records did not arrive in time
+    PEERS_BEHIND = "peers_behind"  # the other live peers are behind us: they join us next round
+    PEERS_AHEAD = "peers_ahead"  # a live peer holds a better state: catching up next round
+    BELOW_QUORUM = "below_quorum"  # no group of --quorum peers formed
+    NO_GROUP = "no_group"  # no group formed with the peers at our state; retrying next round
+    LOST_MEMBER = "lost_member"  # the all-reduce lost a member; retried with the survivors while time allowed
+    STATE_MISMATCH = "state_mismatch"  # a groupmate held a different state (round keys make this unreachable)
+    AVERAGE_NOT_FINITE = "average_not_finite"  # the averaged pseudo-gradient is not finite
+
+
+class Do(enum.Enum):
+    FINISH = "finish"  # stop: the sync's outcome is ``Action.outcome`` (or the last one recorded)
+    LOOK_AT_HOLDERS = "look_at_holders"  # read the records afresh: are the holders of our state syncing now?
+    ATTEMPT = "attempt"  # fill the buffers (and read the records, ``refresh``), then decide at READY
+    AVERAGE = "average"  # matchmaking with the expected group, then the exact all-reduce
+    SETTLE = "settle"  # look for our group's finished state, and adopt it if it appears
+    CATCH_UP = "catch_up"  # adopt the swarm's best state if it beats ours
+    STEP_ALONE = "step_alone"  # our own pseudo-gradient is the outer step
+    APPLY = "apply"  # the group's averaged pseudo-gradient is the outer step
+
+
+@dataclass(frozen=True)
+class Action:
+    do: Do
+    outcome: Optional[Outcome] = None  # recorded now: why the sync ends (FINISH), or what the last attempt met
+    count: int = 0  # the peers an outcome speaks of (behind, ahead, expected)
+    refresh: bool = False  # ATTEMPT: read the swarm's records before it
+    send_carried: bool = False  # ATTEMPT: deltas carried from a fork just left go out now, with their tokens
+    expected: int = 0  # AVERAGE: the group we expect, us included
+    probe: Tuple[str, ...] = ()  # AVERAGE: the expected peers to dial while the group forms
+    voters: int = 1  # AVERAGE: the electorate we count, us included
+
+
+@dataclass(frozen=True)
+class View:
+    """What this peer knows when it decides."""
+
+    phase: Phase
+    mine: PeerRecord  # our own record: our state now
+    records: Tuple[PeerRecord, ...]  # the other peers' records, as last read
+    now: float  # DHT time
+    quorum: int
+    retries: int  # how many times a sync may retry
+    attempts: int = 0  # attempts made in this sync
+    time_left: float = 1.0  # seconds to the sync's deadline
+    stuck: int = 0  # rounds in a row this peer sat at its state without applying, before this one
+    producers: Tuple[str, ...] = ()  # the peers whose deltas our state's last outer step merged
+    lookup_failed: bool = False  # the last read of the records timed out: what we know may be stale
+    records_fresh: bool = False  # the records were read since the last attempt
+    dropped_resumed: bool = False  # BEGIN: an adoption found the work we resumed merged already
+    caught_up: Optional[bool] = None  # BEGIN, CAUGHT_UP: the catch-up adopted a state
+    holders_syncing: Optional[bool] = None  # BEGIN, CAUGHT_UP: answered by LOOK_AT_HOLDERS
+    finite: bool = True  # READY: our pseudo-gradient is finite
+    failure: Optional[Failure] = None  # FAILED, SETTLED, CAUGHT_UP: how the attempt failed
+    expected: int = 0  # FAILED, SETTLED, CAUGHT_UP: the group the attempt expected
+    settled: bool = False  # SETTLED: we adopted our group's finished state
+    merged_ours: bool = False  # SETTLED: that state merged our delta
+    gathered: Optional[Gathered] = None  # AVERAGED: the group's contributions
+
+
+def decide(view: View) -> Action:
+    return _BY_PHASE[view.phase](view)
+
+
+def _begin(view: View) -> Action:
+    if view.dropped_resumed:
+        return Action(Do.FINISH, Outcome.RESUMED_MERGED)
+    if view.caught_up:
+        if view.holders_syncing is None:
+            return Action(Do.LOOK_AT_HOLDERS)
+        if not view.holders_syncing:
+            # the holders of the state we just adopted are training towards their next sync: train on their state
+            # and contribute then. If they are syncing now, they may be waiting for us (our record said we were
+            # downloading their state): join them
+            return Action(Do.FINISH, Outcome.CAUGHT_UP)
+    return _next(view, send_carried=bool(view.caught_up))
+
+
+def _next(view: View, outcome: Optional[Outcome] = None, send_carried: bool = False) -> Action:
+    """Another attempt, while the sync has attempts and time left; else finish with what the last one met."""
+    if view.attempts > view.retries or view.time_left <= 0:
+        return Action(Do.FINISH, outcome)
+    return Action(Do.ATTEMPT, outcome, refresh=view.attempts > 0 and not view.records_fresh,
+                  send_carried=send_carried)
+
+
+def _ready(view: View) -> Action:
+    if not view.finite:
+        return Action(Do.FINISH, Outcome.DIVERGED)
+    holders = peers_with_state(view.records, view.mine, view.now)
+    expected = 1 + len(holders) + len(joining(view.records, view.mine, view.now))
+    if expected > 1:
+        # a holder killed just now still has a fresh record: the averager asks the network whether it is gone
+        return Action(Do.AVERAGE, expected=expected, probe=tuple(r.peer_id for r in holders if not r.client_mode),
+                      voters=voters(view.records, view.mine, view.now, producers=view.producers))
+    stalled = view.stuck + 1 >= MAX_MISSED
+    if view.lookup_failed and not stalled:
+        # stepping alone on a view that may be empty only because it is late would fork the run
+        return Action(Do.FINISH, Outcome.RECORDS_LATE)
+    behind = peers_behind(view.records, view.mine, view.now)
+    if behind and not stalled:
+        # they adopt our state at their next round (or their records are stale, as in a partition): stepping alone
+        # now would fork the run; contribute with them next round
+        return Action(Do.FINISH, Outcome.PEERS_BEHIND, count=len(behind))
+    return _alone(view)
+
+
+def _alone(view: View) -> Action:
+    """No group: a quorum-1 peer's own delta is its outer step; with a larger quorum, wait. Never while a live peer
+    holds a better state: our download of it failed (in a rehearsal all its holders moved on during it), and a step
+    of our own would fork the run and lose the fork choice; we catch up next round instead."""
+    ahead = peers_ahead(view.records, view.mine, view.now)
+    if ahead:
+        return Action(Do.FINISH, Outcome.PEERS_AHEAD, count=len(ahead))
+    if view.quorum > 1:
+        return Action(Do.FINISH, Outcome.BELOW_QUORUM, count=view.quorum)
+    return Action(Do.STEP_ALONE)
+
+
+def _failed(view: View) -> Action:
+    failure = view.failure
+    if failure is Failure.MINORITY:  # the larger group applies this round: adopt its state when it does
+        return Action(Do.SETTLE)
+    if failure is Failure.NO_MAJORITY:  # nobody applies this round: there is no state to wait for
+        return Action(Do.FINISH, Outcome.MINORITY)
+    if failure is Failure.MAYBE_APPLIED:
+        # others may still be receiving their last parts: look for their new state for as long as their all-reduce
+        # may take, before averaging our delta again into a different state
+        return Action(Do.SETTLE, Outcome.LOST_MEMBER)
+    if failure is Failure.LOST_MEMBER:
+        return _next(view, Outcome.LOST_MEMBER)
+    return Action(Do.CATCH_UP)  # no group: did the swarm move on without us?
+
+
+def _settled(view: View) -> Action:
+    if view.failure is Failure.MINORITY:
+        return Action(Do.FINISH, Outcome.MINORITY_ADOPTED if view.settled else Outcome.MINORITY)
+    if view.settled and view.merged_ours:
+        return Action(Do.FINISH, Outcome.GROUP_FINISHED_WITHOUT_US)
+    return _next(view)  # the attempt's LOST_MEMBER stands
+
+
+def _caught_up(view: View) -> Action:
+    """After a missed group (``Failure.NO_GROUP``) and the catch-up that followed it."""
+    if view.caught_up:
+        return Action(Do.FINISH, Outcome.MISSED_GROUP)
+    if view.attempts <= view.retries:
+        if view.holders_syncing is None:
+            return Action(Do.LOOK_AT_HOLDERS)
+        if view.holders_syncing:
+            # the peers at our state began their sync after our matchmaking gave up on them (we had just adopted it
+            # and read a holder's record from its own catch-up a moment ago): they count on us now
+            # (``consensus.peers_with_state``); a round of ours first would miss their group
+            return _next(view)
+    if view.stuck + 1 >= MAX_MISSED and voters(view.records, view.mine, view.now) == 1:
+        return _alone(view)  # the others at our state went silent: we are alone
+    # stepping alone while others at our state are alive would fork the run (a minority of 1)
+    return Action(Do.FINISH, Outcome.NO_GROUP, count=view.expected - 1)
+
+
+def _averaged(view: View) -> Action:
+    mine = (view.mine.epoch, view.mine.state_hash)
+    if any((c.epoch, c.hash) != mine for c in view.gathered.values()):
+        return Action(Do.FINISH, Outcome.STATE_MISMATCH)  # round keys make this unreachable
+    return Action(Do.APPLY)
+
+
+_BY_PHASE = {Phase.BEGIN: _begin, Phase.READY: _ready, Phase.FAILED: _failed, Phase.SETTLED: _settled,
+             Phase.CAUGHT_UP: _caught_up, Phase.AVERAGED: _averaged}
+
+
+def holders_syncing(view: View) -> bool:
+    """Are peers at our exact state in a sync now (``consensus.syncing_now``)?"""
+    return bool(syncing_now(view.records, view.mine, view.now))
+
+
+def settle_longer(extended: bool, unreachable: bool, attempts: int, retries: int, time_left: float) -> bool:
+    """A settle saw its group's new state, but none of its holders answered (a reducer that finished the round,
+    then lost its link): spend our next attempt's time trying again, once, if the sync has an attempt and time
+    left. Averaging again without it forks the run until fork choice joins the two states."""
+    return not extended and unreachable and attempts <= retries and time_left > 0
+
+
+_TEXT = {
+    Outcome.RESUMED_MERGED: "the swarm had merged the work this peer resumed from its checkpoint; not sent again",
+    Outcome.CAUGHT_UP: "caught up with the swarm; contributing at its next sync",
+    Outcome.GROUP_FINISHED_WITHOUT_US: "our group finished without us, with our delta merged: adopted its state",
+    Outcome.MISSED_GROUP: "missed the group; caught up, contributing at the next sync",
+    Outcome.MINORITY_ADOPTED: "{detail}: adopted the larger group's state, contributing at its next sync",
+    Outcome.MINORITY: "{detail}: not applied; contributing next round",
+    Outcome.DIVERGED: "local pseudo-gradient is not finite: dropped this round's work",
+    Outcome.RECORDS_LATE: "could not read the swarm's records in time; contributing next round",
+    Outcome.PEERS_BEHIND: "the {count} other live peer(s) are behind us; contributing next round",
+    Outcome.PEERS_AHEAD: "{count} live peer(s) hold a better state; catching up next round",
+    Outcome.BELOW_QUORUM: "no group of at least {count} peers formed",
+    Outcome.NO_GROUP: "no group formed with the {count} peer(s) at our state; retrying next round",
+    Outcome.LOST_MEMBER: "all-reduce failed ({detail}); retrying with the survivors",
+    Outcome.STATE_MISMATCH: "a groupmate held a different state; not applied",
+    Outcome.AVERAGE_NOT_FINITE: "the averaged pseudo-gradient is not finite; not applied",
+}
+
+
+def describe(outcome: Optional[Outcome], detail: str = "", count: int = 0) -> Optional[str]:
+    """The outcome in a line (None for an applied round): ``detail`` is the failure's first line, ``count`` the
+    action's."""
+    if outcome is None or outcome is Outcome.APPLIED:
+        return None
+    return _TEXT[outcome].format(detail=detail, count=count)
+

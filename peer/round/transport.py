@@ -1,0 +1,111 @@
+"""What a round needs from the network, as one interface, and its real implementation over hivemind.
+
+The round's code (``sync.py``, ``catchup.py``, ``schedule.py``) talks to the swarm only through a ``Transport``:
+read and publish records, ping peers, download a state, fill the shared buffers and average them. The real one,
+``SwarmTransport``, is the DHT, the record publisher and the averager process; tests run the same round code on an
+in-process fake (``tests/harness/fake.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+from hivemind.utils import get_dht_time
+
+from dht.node import reach_out
+from dht.records import PeerRecord, RecordPublisher, fetch_records
+from peer.averaging.averager import SwarmAverager
+from peer.swarm.metadata import Averaged, Contribution
+
+Downloaded = Tuple[List[str], Dict, List[torch.Tensor]]  # (donors used, metadata, [G, m])
+
+
+class Transport(Protocol):
+    answered: threading.Event  # a peer gone silent answered a ping (a healed partition, say)
+
+    def read_records(self, timeout: float) -> Optional[Dict[str, PeerRecord]]:
+        """The run's peer records, or None if the lookup took longer than ``timeout``."""
+
+    def publish(self, record: PeerRecord, ttl: float) -> None:
+        """Our record, refreshed by a heartbeat until the next publish."""
+
+    def reach_out(self, peer_ids: Sequence[str]) -> None:
+        """Ping these peers now (a healed partition reconnects at once)."""
+
+    def watch(self, silent: Sequence[str]) -> None:
+        """Ping these silent peers at every heartbeat and set ``answered`` when one answers."""
+
+    def download(self, donors: Sequence[str], state_hash: str, timeout: float,
+                 part_timeout: float) -> Optional[Downloaded]:
+        """The state with ``state_hash`` from these donors, unchecked; None if none of them served it."""
+
+    def buffers(self) -> ContextManager[List[torch.Tensor]]:
+        """The averaged buffers ([delta] or [delta, moment]), held: the averager does not touch them meanwhile."""
+
+    def prepare(self, epoch: int, state_hash: str, min_group: int, expected_group: int, allreduce_timeout: float,
+                part_timeout: float, probe: Sequence[str]) -> None:
+        """This attempt's group key, expected group and deadlines (``SwarmAverager.prepare_round``)."""
+
+    def average(self, contribution: Contribution, weight: float, timeout: float) -> Averaged:
+        """Matchmaking, then the exact all-reduce of the buffers, in place; raises a ``peer.averaging.failures``
+        exception, or TimeoutError after ``timeout`` seconds."""
+
+    def traffic(self) -> Tuple[int, int]:
+        """(bytes sent, bytes received) on the transport so far."""
+
+    def stop(self) -> None:
+        """Stop the record heartbeat."""
+
+
+class SwarmTransport:
+    """The real transport: hivemind's DHT for records, our averager process for groups and downloads."""
+
+    def __init__(self, dht, averager: SwarmAverager, namespace: str, grace_seconds: float):
+        self.dht, self.averager, self.namespace, self.grace_seconds = dht, averager, namespace, grace_seconds
+        self.publisher = RecordPublisher(dht, namespace)
+        self.answered = self.publisher.answered
+
+    def read_records(self, timeout: float) -> Optional[Dict[str, PeerRecord]]:
+        return fetch_records(self.dht, self.namespace, timeout=timeout)
+
+    def publish(self, record: PeerRecord, ttl: float) -> None:
+        self.publisher.publish(record, ttl)
+
+    def reach_out(self, peer_ids: Sequence[str]) -> None:
+        reach_out(self.dht, peer_ids)
+
+    def watch(self, silent: Sequence[str]) -> None:
+        self.publisher.reach = tuple(silent)  # and is noticed mid-round (``RoundClock.watch``)
+
+    def download(self, donors: Sequence[str], state_hash: str, timeout: float,
+                 part_timeout: float) -> Optional[Downloaded]:
+        return self.averager.download_state(donors, state_hash, timeout=timeout, part_timeout=part_timeout)
+
+    def buffers(self) -> ContextManager[List[torch.Tensor]]:
+        return self.averager.get_tensors()
+
+    def prepare(self, epoch: int, state_hash: str, min_group: int, expected_group: int, allreduce_timeout: float,
+                part_timeout: float, probe: Sequence[str]) -> None:
+        self.averager.prepare_round(epoch, state_hash, min_group, expected_group,
+                                    allreduce_timeout=allreduce_timeout, part_timeout=part_timeout, probe=probe)
+
+    def average(self, contribution: Contribution, weight: float, timeout: float) -> Averaged:
+        grace = self.grace_seconds
+        control = self.averager.step(
+            gather=contribution.to_wire(), weight=float(weight), scheduled_time=get_dht_time() + grace,
+            timeout=grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False,
+            wait=False,
+        )
+        try:
+            return control.result(timeout=max(timeout, 0.1))
+        except TimeoutError:
+            control.cancel()
+            raise TimeoutError("the sync deadline passed") from None
+
+    def traffic(self) -> Tuple[int, int]:
+        return self.averager.traffic()
+
+    def stop(self) -> None:
+        self.publisher.stop()

@@ -1,0 +1,46 @@
+"""When rounds end, so that the peers holding one state reach matchmaking together: pure functions.
+
+- After an outer step the group already agrees: every member computes the next round's length from the same
+  gathered contributions (``next_round_seconds``: H steps at the median member's pace), and with overlap the end
+  of the round already in progress (``round_end``: the median of the members' plans).
+- A peer without that agreement (a joiner, one that caught up) lines up with the plans that the peers holding
+  its state published in their records (``round_target``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterable, Optional
+
+from dht.records import PeerRecord
+from peer.swarm.consensus import peers_with_state
+from peer.swarm.metadata import Gathered
+
+
+def next_round_seconds(gathered: Gathered, round_seconds: float, inner_steps: int) -> Optional[float]:
+    """The group's agreed length of its next inner phase: ``round_seconds`` if the run fixes one, else H steps at
+    the median member's pace; None if no member knows its pace yet."""
+    if round_seconds:
+        return round_seconds
+    paces = [c.step_seconds for c in gathered.values() if c.step_seconds is not None and c.step_seconds > 0]
+    return inner_steps * statistics.median(paces) if paces else None
+
+
+def round_end(gathered: Gathered) -> Optional[float]:
+    """With overlap, the round after this sync's is already running on each member, planned to end when its own
+    clock said. Every member takes the median of those plans, from the same gathered data: the group ends that
+    round together, and its drift (each member's round had started from its own clock) is undone every round
+    instead of adding up until a member misses its group."""
+    plans = [c.planned_end for c in gathered.values() if c.planned_end is not None]
+    return statistics.median(plans) if plans else None
+
+
+def round_target(records: Iterable[PeerRecord], mine: PeerRecord, own_plan: Optional[float],
+                 now: float) -> Optional[float]:
+    """When this round should end: the median of the planned sync times of every live peer holding our
+    state, our own plan included. Peers that read the same records end their rounds together, the
+    fast ones doing a few more steps and the slow ones a few fewer, so nobody waits at matchmaking."""
+    times = [r.next_sync_at for r in peers_with_state(records, mine, now) if r.next_sync_at and r.next_sync_at > now]
+    if own_plan is not None:
+        times.append(own_plan)
+    return statistics.median(times) if times else None

@@ -1,0 +1,320 @@
+"""One round's sync, run in-process on a fake transport and clock: each path of the decision, end to end.
+
+Each test scripts the swarm around one peer (the others' records, the states their holders serve, what each
+averaging attempt returns or raises) and asserts what a sync must leave behind: the outcome, the state and its
+hash, what was sent and how often, and the lineage bookkeeping. Milliseconds each.
+"""
+
+import dataclasses
+
+import torch
+
+from peer.averaging.failures import GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
+from peer.config import RunConfig
+from peer.outer.nesterov import nesterov_step
+from peer.round.decide import Outcome
+from peer.swarm.consensus import MAX_MISSED, SYNCING
+from peer.swarm.metadata import Contribution
+from tests.harness.fake import FakePeer, record, with_group
+
+
+def stepped(peer, delta):
+    """G and m after one outer step from the peer's state with ``delta``."""
+    params, momentum = peer.state.params.clone(), peer.state.momentum.clone()
+    nesterov_step(params, momentum, delta, peer.run.outer_lr, peer.run.outer_momentum)
+    return params, momentum
+
+
+def holder(peer, name="a", **fields):
+    """Another peer at our exact state."""
+    peer.transport.peers[name] = record(name, peer.state.epoch, peer.hash(), peer.state.tokens_total, **fields)
+
+
+def failing(error, meanwhile):
+    """An attempt that fails with ``error`` after ``meanwhile()`` changed the swarm (a state appears, say)."""
+    def run(*_):
+        meanwhile()
+        raise error
+
+    return run
+
+
+def theirs(peer, tokens=100, **fields):
+    return Contribution(epoch=peer.state.epoch, hash=peer.hash(), tokens=tokens, **fields)
+
+
+def test_a_lone_peer_steps_alone():
+    peer = FakePeer()
+    delta = peer.train()
+    expected = stepped(peer, delta)
+    result = peer.sync(tokens=100)
+    assert result.applied and result.outcome is Outcome.APPLIED and result.group == ("me",)
+    assert torch.equal(peer.state.params, expected[0]) and torch.equal(peer.state.momentum, expected[1])
+    assert peer.state.epoch == 5 and peer.state.tokens_total == 1100 and torch.equal(peer.theta, peer.state.params)
+    assert peer.transport.published[-1].state_hash == peer.hash()  # the new state, published at once
+
+
+def test_a_group_applies_the_average_identically_and_agrees_the_next_round():
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    average = torch.full((8,), 0.004)
+    peer.transport.scripts.append(with_group(("a", theirs(peer, tokens=300, step_seconds=0.5)), average=average))
+    expected = stepped(peer, average)
+    result = peer.sync(tokens=100, step_seconds=0.3)
+    assert result.applied and result.group == ("a", "me") and result.group_tokens == 400
+    assert torch.equal(peer.state.params, expected[0])  # the group's average, not our own delta
+    assert peer.state.tokens_total == 1400 and peer.state.merged == {"a": 4, "me": 4}
+    assert result.next_round_seconds == peer.run.inner_steps * 0.4  # H steps at the median member's pace
+    sent, weight, _ = peer.transport.sent[0]
+    assert (sent.epoch, sent.hash, sent.tokens, sent.step_seconds, weight) == (4, peer.transport.prepared[0]["hash"],
+                                                                              100, 0.3, 100.0)
+    assert peer.transport.prepared[0]["expected"] == 2 and peer.transport.prepared[0]["probe"] == ("a",)
+
+
+def test_stale_work_weighs_less():
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.append(with_group(("a", theirs(peer))))
+    peer.sync(tokens=100, missed_rounds=2)
+    assert peer.transport.sent[0][1] == 100 * peer.run.stale_discount ** 2
+
+
+def test_a_lost_member_is_retried_from_the_untouched_tensors_and_then_applies():
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.extend([GroupLostMember("sender #1 failed"), with_group(("a", theirs(peer)))])
+    before = peer.state.params.clone()
+    result = peer.sync()
+    assert result.applied and result.attempts == 2
+    first, second = peer.transport.sent[0][2], peer.transport.sent[1][2]
+    assert torch.equal(first, second)  # the retry sent the same delta: the failed attempt changed nothing
+    assert not torch.equal(peer.state.params, before)
+
+
+def test_lost_members_until_the_retries_run_out_leave_the_state_alone():
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.extend([GroupLostMember("lost reducer")] * 3)
+    before, theta = peer.state.params.clone(), peer.theta
+    result = peer.sync()
+    assert not result.applied and result.outcome is Outcome.LOST_MEMBER and result.attempts == 3
+    assert result.error == "all-reduce failed (lost reducer); retrying with the survivors"
+    assert torch.equal(peer.state.params, before) and torch.equal(peer.theta, theta) and peer.state.epoch == 4
+
+
+def test_maybe_applied_adopts_the_groups_state_that_merged_our_delta_and_counts_it_once():
+    peer = FakePeer()
+    delta = peer.train()
+    holder(peer)
+    new = {}
+    # the group finished without us: its members publish the state that merged our delta
+    peer.transport.scripts.append(failing(MaybeApplied("lost reducer, after our reducer averaged all its parts"),
+                                          lambda: new.update(hash=peer.serve_next_state(
+                                              delta, contributors=["me", "a"], tokens=200, holders=["a"]))))
+    result = peer.sync()
+    new_hash = new["hash"]
+    assert result.applied and result.rebased and result.outcome is Outcome.GROUP_FINISHED_WITHOUT_US
+    assert peer.hash() == new_hash and torch.equal(peer.theta, peer.state.params)
+    assert len(peer.transport.sent) == 1  # not averaged again
+    assert peer.lineage.carried is None
+
+
+def test_maybe_applied_with_no_state_appearing_is_retried_after_the_others_deadline():
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.extend([MaybeApplied("timed out"), with_group(("a", theirs(peer)))])
+    start = peer.clock.now
+    result = peer.sync()
+    assert result.applied and result.attempts == 2
+    assert peer.clock.now - start >= peer.run.grace_seconds  # it looked for their state until their deadline
+
+
+def test_a_minority_group_adopts_the_majoritys_state_instead_of_forking():
+    peer = FakePeer()
+    delta = peer.train()
+    holder(peer)
+    new = {}
+    peer.transport.scripts.append(failing(
+        MinorityGroup("our group holds 2 of the 5 peers at our state, not a majority"),
+        lambda: new.update(hash=peer.serve_next_state(delta * 0.5, contributors=["a", "b", "c"], tokens=300,
+                                                      holders=["a", "b"]))))
+    result = peer.sync()
+    majority = new["hash"]
+    assert not result.applied and result.rebased and result.outcome is Outcome.MINORITY_ADOPTED
+    assert peer.hash() == majority
+    assert result.error.startswith("our group holds 2 of the 5 peers")
+    # our work is kept on top of the majority's state: theta = G_new - our delta
+    assert torch.allclose(peer.state.params - peer.theta, delta)
+
+
+def test_with_no_majority_anywhere_nobody_waits_for_a_state():
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.append(NoMajority("our group holds 2 of the 4 peers at our state, not a majority"))
+    result = peer.sync()
+    assert not result.applied and not result.rebased and result.outcome is Outcome.MINORITY
+    assert peer.transport.downloads == []
+
+
+def test_a_missed_group_waits_for_the_next_round_then_goes_on_alone_once_stalled():
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    for round_ in range(MAX_MISSED):
+        peer.transport.scripts.append(NoGroup("could not find a group"))
+        result = peer.sync()
+        if round_ < MAX_MISSED - 1:  # the holder may still come: stepping alone would fork the run
+            assert result.outcome is Outcome.NO_GROUP and result.error == (
+                "no group formed with the 1 peer(s) at our state; retrying next round")
+    assert result.outcome is Outcome.NO_GROUP  # it still votes at our state: never alone while it lives
+    peer.silence("a")
+    peer.transport.scripts.append(NoGroup("could not find a group"))
+    holder_gone = peer.sync()
+    assert holder_gone.applied and holder_gone.group == ("me",)
+
+
+def test_a_missed_group_whose_holders_moved_on_is_caught_up():
+    peer = FakePeer()
+    delta = peer.train()
+    holder(peer)
+    ahead = {}  # while we waited, the holder applied the round without us
+    peer.transport.scripts.append(failing(NoGroup("could not find a group"), lambda: ahead.update(
+        hash=peer.serve_next_state(delta, contributors=["a"], tokens=100, holders=["a"]))))
+    result = peer.sync()
+    assert result.outcome is Outcome.MISSED_GROUP and result.rebased and not result.applied
+    assert peer.hash() == ahead["hash"]
+
+
+def test_holders_that_began_syncing_after_we_gave_up_are_joined_at_once():
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.extend([
+        failing(NoGroup("could not find a group"),
+                lambda: holder(peer, status=SYNCING, busy_until=peer.clock.now + 30)),  # it syncs now
+        with_group(("a", theirs(peer))),
+    ])
+    result = peer.sync()
+    assert result.applied and result.attempts == 2
+
+
+def test_a_peer_that_catches_up_trains_on_until_its_holders_sync():
+    peer = FakePeer()
+    delta = peer.train()
+    new = peer.serve_next_state(delta, contributors=["a"], tokens=100, holders=["a"])
+    result = peer.sync()
+    assert result.outcome is Outcome.CAUGHT_UP and result.rebased and not result.applied
+    assert peer.hash() == new and peer.transport.sent == []
+
+
+def test_a_peer_that_catches_up_while_its_holders_sync_joins_them():
+    peer = FakePeer()
+    delta = peer.train()
+    new = peer.serve_next_state(delta, contributors=["a"], tokens=100, holders=["a"])
+    peer.transport.peers["a"] = dataclasses.replace(peer.transport.peers["a"], status=SYNCING,
+                                                    busy_until=peer.clock.now + 30)
+    peer.transport.scripts.append(lambda t, mine, w: with_group(("a", mine))(t, mine, w))
+    result = peer.sync()
+    assert result.applied and result.rebased and peer.transport.sent[0][0].hash == new
+
+
+def test_records_that_come_late_do_not_make_a_peer_step_alone_until_it_is_stalled():
+    peer = FakePeer()
+    peer.train()
+    peer.transport.late = True
+    outcomes = [peer.sync().outcome for _ in range(MAX_MISSED)]
+    assert outcomes == [Outcome.RECORDS_LATE] * (MAX_MISSED - 1) + [Outcome.APPLIED]
+
+
+def test_a_peer_does_not_step_past_a_better_state_it_cannot_download():
+    peer = FakePeer()
+    peer.train()
+    peer.transport.peers["x"] = record("x", 9, "ffff", 99_999)  # nobody serves it
+    before = peer.hash()
+    result = peer.sync()
+    assert result.outcome is Outcome.PEERS_AHEAD and peer.hash() == before
+    assert peer.transport.downloads == [(("x",), "ffff")]
+
+
+def test_peers_behind_us_are_waited_for():
+    peer = FakePeer()
+    peer.train()
+    peer.transport.peers["b"] = record("b", 2, "bbbb", 200)
+    assert peer.sync().outcome is Outcome.PEERS_BEHIND
+
+
+def test_a_quorum_above_one_never_steps_alone():
+    peer = FakePeer(run=RunConfig(align_every=0, quorum=2).resolved())
+    peer.train()
+    result = peer.sync()
+    assert result.outcome is Outcome.BELOW_QUORUM and result.error == "no group of at least 2 peers formed"
+
+
+def test_a_diverged_model_drops_its_work_and_restarts_from_the_global_state():
+    peer = FakePeer()
+    with torch.no_grad():
+        peer.params[0][0] = float("nan")
+    result = peer.sync()
+    assert result.outcome is Outcome.DIVERGED and torch.equal(peer.theta, peer.state.params)
+
+
+def test_a_group_whose_members_hold_another_state_is_not_applied():
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.append(with_group(("a", dataclasses.replace(theirs(peer), hash="0000"))))
+    before = peer.hash()
+    assert peer.sync().outcome is Outcome.STATE_MISMATCH and peer.hash() == before
+
+
+def test_work_a_restart_resumed_is_dropped_when_the_swarm_merged_it_already():
+    peer = FakePeer()
+    delta = peer.train()
+    peer.lineage.resumed_epoch = peer.state.epoch  # resumed from a checkpoint taken before its group merged it
+    peer.serve_next_state(delta, contributors=["me", "a"], tokens=200, holders=["a"])
+    result = peer.sync()
+    assert result.outcome is Outcome.RESUMED_MERGED and not result.applied
+    assert peer.lineage.take_dropped_resumed() and torch.equal(peer.theta, peer.state.params)
+
+
+def test_with_overlap_the_group_ends_the_round_in_progress_together():
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.append(with_group(("a", theirs(peer, planned_end=1030.0)), ("b", theirs(peer))))
+    result = peer.sync(planned_end=lambda: 1010.0)
+    assert peer.transport.sent[0][0].planned_end == 1010.0  # our plan, told to the group
+    assert result.round_end == 1020.0  # the median of the members' plans
+
+
+def test_an_unreachable_holders_state_gets_one_more_attempts_time():
+    peer = FakePeer()
+    delta = peer.train()
+    holder(peer)
+    states = {}
+
+    def finished_without_us():  # its holder does not answer yet
+        states["new"] = peer.serve_next_state(delta, contributors=["me", "a"], tokens=200, holders=["a"])
+        states["served"] = peer.transport.served.pop(states["new"])
+
+    peer.transport.scripts.append(failing(MaybeApplied("lost reducer"), finished_without_us))
+    downloads = []
+    real_download = peer.transport.download
+
+    def download(donors, state_hash, timeout, part_timeout):
+        downloads.append(peer.clock.now)
+        # its link comes back after the others' deadline, when the settle would have given up
+        if peer.clock.now - downloads[0] > peer.run.grace_seconds + peer.deadlines.allreduce() + 5:
+            peer.transport.served[states["new"]] = states["served"]
+        return real_download(donors, state_hash, timeout, part_timeout)
+
+    peer.transport.download = download
+    result = peer.sync()
+    assert result.outcome is Outcome.GROUP_FINISHED_WITHOUT_US and peer.hash() == states["new"]
+    assert result.attempts == 2  # the settle spent the next attempt's time
