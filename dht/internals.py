@@ -33,6 +33,11 @@ def check_version(version: str = hivemind.__version__) -> None:
 
 
 # ---- the p2p daemon ----
+def dht_p2p(node) -> P2P:
+    """The p2p client of a DHT node (inside the DHT's process)."""
+    return node.protocol.p2p
+
+
 def connect(p2p: P2P, peer_id: PeerID, addresses: Sequence[Any] = ()) -> Awaitable[None]:
     """Dial ``peer_id`` (at ``addresses``, or those the daemon knows), or reuse an open connection. hivemind's P2P
     has no public connect; its daemon client does."""
@@ -42,6 +47,13 @@ def connect(p2p: P2P, peer_id: PeerID, addresses: Sequence[Any] = ()) -> Awaitab
 def disconnect(p2p: P2P, peer_id: PeerID) -> Awaitable[None]:
     """Close our daemon's connection to ``peer_id``, so that the next request dials afresh."""
     return p2p._client.disconnect(peer_id)
+
+
+def rsa_key(der: bytes) -> RSAPrivateKey:
+    """An RSA key from its DER bytes, by hivemind's own unpickling path."""
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": der})
+    return key
 
 
 def sign_records_with(key: RSAPrivateKey) -> None:

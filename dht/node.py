@@ -22,6 +22,7 @@ from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
+from dht import internals
 from dht.addresses import parse_maddrs
 from dht.cli import opt, require_positive
 from dht.errors import UserError, first_line
@@ -137,6 +138,7 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
     """Start a DHT node; every failure a user can cause becomes a one-line ``UserError``. Every node signs its
     records and checks others' signatures (``dht/validation.py``); ``record_validators`` add to that.
     ``check_identity``: ask the swarm whether a live peer already uses ``identity_path`` (``identity_taken``)."""
+    internals.check_version()
     validators = list(record_validators)
     if not any(isinstance(v, RSASignatureValidator) for v in validators):
         validators.insert(0, signer())
@@ -179,7 +181,7 @@ async def identity_taken(identity_path: str, initial_peers: list, timeout: float
     try:
         while True:
             try:
-                await probe._client.connect(peer_id, [])
+                await internals.connect(probe, peer_id)
                 return True
             except ControlFailure as e:
                 if EMPTY_TABLE not in str(e) or time.monotonic() > deadline:
@@ -224,7 +226,7 @@ async def _ping_peers(peer_ids: Tuple[str, ...], _dht, node) -> int:
     for peer, ok in zip(peers, answered):
         if not ok:  # drop the connection: after a partition heals, its TCP retransmission backoff held the next
             try:    # pings for seconds past the heal; a fresh dial goes through at once
-                await node.protocol.p2p._client.disconnect(peer)
+                await internals.disconnect(internals.dht_p2p(node), peer)
             except Exception as e:  # not connected at all
                 logger.debug(f"disconnect from {peer} failed: {e!r}")
     return sum(answered)

@@ -8,7 +8,7 @@ A record carries the peer's epoch and state hash (for catch-up and fork choice),
 into its state, and when it plans to sync next (so joiners line their rounds up with the swarm).
 A live peer refreshes its record every ``heartbeat`` seconds from a thread of its own, whatever its
 training does, so that a record whose refreshes stopped tells the others within seconds that its peer
-died, froze or was cut off (``peer.consensus.responsive``).
+died, froze or was cut off (``peer.swarm.consensus.responsive``).
 """
 
 from __future__ import annotations

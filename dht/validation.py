@@ -25,7 +25,8 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.proto import crypto_pb2
-from hivemind.utils.crypto import RSAPrivateKey
+
+from dht import internals
 
 Number = Union[pydantic.StrictInt, pydantic.StrictFloat]
 OWNER = b"[owner:"
@@ -46,10 +47,7 @@ def adopt_identity(identity_path: str) -> None:
     PrivateKey protobuf holding a DER key). Call it before any validator or subkey is made."""
     with open(identity_path, "rb") as file:
         der = crypto_pb2.PrivateKey.FromString(file.read()).data
-    key = RSAPrivateKey.__new__(RSAPrivateKey)
-    key.__setstate__({"_private_key": der})  # hivemind's own unpickling path: a key from DER bytes
-    with RSAPrivateKey._process_wide_key_lock:
-        RSAPrivateKey._process_wide_key = key
+    internals.sign_records_with(internals.rsa_key(der))
 
 
 def peer_id_of(owner_key: bytes) -> str:

@@ -8,6 +8,7 @@ import pytest
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from dht import internals
 from dht.errors import UserError
 from dht.manifest import RunManifest, fetch_manifest, join_or_create, manifest_key, publish_manifest
 from dht.node import LOOPBACK, DHTConfig, reach_out, start_dht
@@ -207,3 +208,11 @@ def test_a_strangers_manifest_does_not_replace_the_run_and_run_key_pins_the_crea
     assert RunManifest.from_record("run-h", forged.to_record()) is None
     with pytest.raises(UserError, match="has no manifest signed by the --run-key you gave"):
         join_or_create(second, RunManifest("run-i", {}), run_key=fake.creator)
+
+
+def test_a_hivemind_release_whose_internals_were_not_checked_is_refused_in_one_line():
+    internals.check_version()  # the one installed is checked
+    with pytest.raises(UserError) as refused:
+        internals.check_version("1.2.0")
+    assert str(refused.value) == ("hivemind 1.2.0 is installed, but this peer relies on the internals of hivemind "
+                                  "1.1.12: pip install hivemind==1.1.12")

@@ -10,6 +10,7 @@ import sys
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
+from dht import internals
 from dht.node import DHTConfig, start_dht, visible_maddrs
 
 
@@ -17,7 +18,7 @@ async def dial(maddr: str, _dht, node) -> str:
     address = Multiaddr(maddr)
     peer = PeerID.from_base58(address.value_for_protocol("p2p"))
     try:
-        await node.p2p._client.connect(peer, [address.decapsulate(Multiaddr(f"/p2p/{peer}"))])
+        await internals.connect(node.p2p, peer, [address.decapsulate(Multiaddr(f"/p2p/{peer}"))])
         return "connected"
     except Exception as e:
         return "failed: " + " ".join(str(e).split())
