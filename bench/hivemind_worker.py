@@ -7,8 +7,8 @@ hivemind's own optimizer with ``use_local_updates=True``: every step is a local 
 the swarm has processed ``--target-batch-size`` samples (an epoch) the workers average their parameters,
 by default on a background thread (``delay_state_averaging``, with hivemind's delta rule; in hivemind 1.1.12
 the next local step still waits for that round to finish), or with ``--no-delay-state-averaging`` inside
-the step that ends the epoch. It trains the peer's model on the peer's data (``peer.model``,
-``peer.data``) with the same batch, pacing and threads, and appends a JSON line per epoch that
+the step that ends the epoch. It trains the peer's model on the peer's data (``peer.train.model``,
+``peer.train.data``) with the same batch, pacing and threads, and appends a JSON line per epoch that
 ``bench.wan`` reads like a peer's metrics: ``compute_seconds`` (forward, backward, the local AdamW step
 and the pacing pad, as a peer counts its inner steps) and ``time``, so both systems get one metric.
 """

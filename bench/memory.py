@@ -5,7 +5,7 @@
 runs, one after the other on this machine:
 
 - ``plain``: the model and its AdamW in one process, ``--steps`` steps of the peer's own inner loop
-  (peer/inner.py) on the bundled data, and nothing else;
+  (peer/train/inner.py) on the bundled data, and nothing else;
 - ``peer``: ``python -m peer`` alone for 2 rounds of ``--steps / 2`` steps: the same inner loop, plus the
   outer state (G, outer momentum, the error-feedback residual, the shared pseudo-gradient and moment
   buffers), the DHT and the averager process.

@@ -3,7 +3,7 @@
 Everything that decides what the swarm computes is the peer's own code: the inner loop (InnerTrainer),
 error feedback and the codecs, token weighting, the reducers' robust mean, the FMA-free Nesterov outer
 step and the clamped momentum alignment. Only the transport is replaced: each reducer's span of the
-vector is combined here with ``peer.robust.robust_mean`` (what ExactAllReduceRunner's reducers run on
+vector is combined here with ``peer.averaging.robust.robust_mean`` (what ExactAllReduceRunner's reducers run on
 their parts), followed by the codec round trip of its reply.
 
 ``data_parallel`` is the baseline: synchronous data-parallel training, the replicas' gradients averaged
@@ -70,7 +70,7 @@ def reduce(contributions: Sequence[torch.Tensor], weights: Sequence[float], clip
 def round_steps(inner_steps: int, paces: Sequence[float]) -> List[int]:
     """Inner steps of each replica in one round, as the swarm schedules it (README, "What a round does"): a
     round lasts H steps at the median member's pace (seconds per step), so a replica ``pace`` times slower
-    than the median does about H / pace steps; at least 1, at most 2H (peer/schedule.py)."""
+    than the median does about H / pace steps; at least 1, at most 2H (peer/round/schedule.py)."""
     length = inner_steps * statistics.median(paces)
     return [min(2 * inner_steps, max(1, -int(-length // pace))) for pace in paces]
 
@@ -137,7 +137,7 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
             if observe:
                 observe("delta", delta)
             contributions.append(delta)
-            weights.append(float(stats.tokens))  # token weighting (DESIGN.md step 2)
+            weights.append(float(stats.tokens))  # token weighting (docs/design.md, step 2)
             tokens += stats.tokens
             train_losses.append(stats.loss)
         averaged = roundtrip(codec, reduce(contributions, weights, run.clip_factor))  # the reducers' encoded reply

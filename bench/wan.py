@@ -13,7 +13,7 @@ turn, each with a fresh bootstrap node (``tests.harness.swarm.Swarm``) and 4 fre
 
 - ``diloco``: ``python -m peer``, each round's sync (matchmaking, all-reduce, outer step) between two
   inner phases: the plain DiLoCo baseline;
-- ``overlap``: the same with ``--overlap``: the sync runs while the next round trains (DESIGN.md step 8);
+- ``overlap``: the same with ``--overlap``: the sync runs while the next round trains (docs/design.md, step 8);
 - ``hivemind``: ``bench.hivemind_worker``, hivemind.Optimizer with ``use_local_updates=True`` on the same
   model, data, batch and pacing; an epoch (one parameter averaging) is the same samples as a round;
 - ``hivemind-blocking`` (on request): the same with ``delay_state_averaging=False``.

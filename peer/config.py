@@ -127,7 +127,7 @@ class NodeConfig:
     min_step_seconds: float = opt(0.0, "pad every inner step to at least this long: emulates a slower device, so "
                                        "that a benchmark of many peers on one machine does not measure CPU sharing")
     overlap: bool = opt(False, "run each round's sync in the background while the next round trains; the outer "
-                               "update lands one round late (DESIGN.md step 8)")
+                               "update lands one round late (docs/design.md, step 8)")
     quiet: bool = opt(False, "no progress bar: one summary line per round")
     tensorboard: Optional[str] = opt(None, "also log every round's numbers to TensorBoard in this directory "
                                            "(pip install tensorboard)")

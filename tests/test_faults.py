@@ -1,6 +1,6 @@
 """Fault plans on real swarms: each kind of fault strikes a victim at each phase of a round.
 
-Every test asserts the invariants of DESIGN.md: in every round the survivors hold one state hash, no
+Every test asserts the invariants of docs/design.md: in every round the survivors hold one state hash, no
 survivor's sync outlasts its deadline, the loss keeps falling, and the victim's work is not lost (a
 killed victim resumes from its checkpoint; a frozen or slowed one rejoins the groups).
 """
@@ -111,7 +111,7 @@ def test_freeze_slow_or_partition_at_every_phase(request, tmp_path, kind, second
     # deadlines shrink to their 5-s floor, and a cut at reduce can leave the victim with the group's full average
     # while the others, past their deadline, cannot download its new state and retry as a pair: a fork that fork
     # choice heals two rounds later, but a group whose members hold two states (seen once in four suites, and once
-    # more at 0.5 s). ``Synchronizer._settle`` now spends a retry's time on that download first; the pacing stays
+    # more at 0.5 s). ``StateCatchUp.settle`` now spends a retry's time on that download first; the pacing stays
     # until the unpaced cells are shown to take that path and pass.
     pace = ("--min-step-seconds", "0.5") if kind == "partition" else ()
     survivors = [swarm.peer(f"p{i}", *pace) for i in range(2)]

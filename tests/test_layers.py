@@ -33,6 +33,13 @@ def test_the_design_documents_drawing_is_the_codes():
     assert drawn == layers.mermaid(), "docs/design.md's import graph is stale: python -m tests.harness.layers"
 
 
+def test_the_import_picture_is_the_codes(tmp_path):
+    assert layers.drawn(layers.ROOT / "docs" / "imports.svg") == layers.mermaid(), \
+        "docs/imports.svg is stale: python -m tests.harness.layers --svg docs/imports.svg"
+    layers.draw(tmp_path / "imports.svg")
+    assert layers.drawn(tmp_path / "imports.svg") == layers.mermaid()
+
+
 def test_every_module_is_in_its_packages_map():
     for name, path in layers.modules().items():
         if path.name == "__init__.py" or not name.startswith("peer."):

@@ -11,7 +11,7 @@ RPCs:
 - a sender that fails, a reducer that fails or sends a malformed averaged part aborts the whole
   all-reduce with ``GroupLostMember``; the caller retries from its saved tensors, unless it is
   ``MaybeApplied``: our own reducer had finished, so other members may have applied the round;
-- each reducer combines a part robustly (``peer/robust.py``): a malformed part (wrong shape, dtype,
+- each reducer combines a part robustly (``peer/averaging/robust.py``): a malformed part (wrong shape, dtype,
   size or bytes, or a bad weight) or a non-finite one is rejected, a part far from the others is clipped
   or rejected, and a banned sender's parts are ignored; the offenders are reported.
 """

@@ -1,6 +1,6 @@
 """What a peer tells its user and its tools: a progress bar, a line per round, a JSON line per round.
 
-The JSON lines follow DESIGN.md's metrics interface; tests and benchmarks read them.
+The JSON lines follow docs/design.md's metrics interface; tests and benchmarks read them.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """A peer's own recent contributions, kept so that work merged only in a losing fork is not lost.
 
 When two groups fork the state (a partition, a split matchmaking), the fork choice picks one lineage
-and the peers of the other rebase onto it (DESIGN.md step 7). Their deltas were merged only in the
+and the peers of the other rebase onto it (docs/design.md, step 7). Their deltas were merged only in the
 lineage they leave, so each peer carries its own unmerged deltas, and the tokens behind them, into its
 next contribution: added to the pseudo-gradient it sends, not to its local model, which rebases onto
-the winner as DESIGN.md step 6 says (theta <- G_new - its current delta). Deltas are kept as the wire
+the winner as docs/design.md, step 6, says (theta <- G_new - its current delta). Deltas are kept as the wire
 codec encoded them (what the peer sent): two bytes per parameter with fp16, about half a byte with
 int4; at most ``keep`` of them (--max-staleness).
 """

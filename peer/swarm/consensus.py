@@ -2,7 +2,7 @@
 
 - responsiveness: a peer whose record stopped its heartbeat, or that passed its planned sync long ago
   without a word, is not waited for;
-- fork choice: the state with the most tokens merged wins, then the lowest hash (DESIGN.md step 7);
+- fork choice: the state with the most tokens merged wins, then the lowest hash (docs/design.md, step 7);
   every peer that reads the same records picks the same winner;
 - the expected group: live peers that hold our exact state or are downloading it, so the matchmaking
   leader can close the group as soon as they have all joined instead of waiting out the grace window;

@@ -2,7 +2,7 @@
 
 Like nanoGPT's loop, but bounded by a step budget and a wall-clock deadline, so a round ends after H
 steps or when the swarm's schedule says so. On CUDA it runs under bf16 autocast with fused AdamW, and
-optionally compiled (``--compile``). In an island (peer/island.py) the model is wrapped in
+optionally compiled (``--compile``). In an island (peer/train/island.py) the model is wrapped in
 DistributedDataParallel and rank 0 tells the other ranks before each step what to do.
 """
 

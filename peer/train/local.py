@@ -1,4 +1,4 @@
-"""The local model theta as the sync phase sees it, with or without overlap (DESIGN.md step 8).
+"""The local model theta as the sync phase sees it, with or without overlap (docs/design.md, step 8).
 
 Without overlap the sync phase runs between two inner phases and reads and writes the live parameters.
 

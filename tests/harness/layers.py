@@ -110,6 +110,15 @@ def node_id(name: str) -> str:
     return name.replace(".__main__", ".main").replace(".", "_")
 
 
+def drawn(svg: Path) -> str:
+    """The graph an SVG made by ``draw`` shows (its description)."""
+    import html
+    import re
+
+    match = re.search(r"<dc:description>(.*?)</dc:description>", svg.read_text(), re.S)
+    return html.unescape(match.group(1)) if match else ""
+
+
 def draw(path: Path) -> None:
     """The same drawing as an SVG: each layer a row, bottom first at the bottom, an arrow per import."""
     import matplotlib
@@ -117,6 +126,8 @@ def draw(path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # text as text, and no date or random ids: the same code draws the same bytes (``tests/test_layers.py``)
+    matplotlib.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "layers"})
     width = max(len(layer) for layer in LAYERS)
     where = {name: ((col + 0.5) * width / len(layer), row) for row, layer in enumerate(LAYERS)
              for col, name in enumerate(layer)}
@@ -135,7 +146,9 @@ def draw(path: Path) -> None:
     axes.set_ylim(-0.6, len(LAYERS) - 0.4)
     axes.axis("off")
     axes.set_title("imports point down: a package imports only from layers below it", fontsize=10)
-    figure.savefig(path, bbox_inches="tight")  # SVG or PNG, by the suffix
+    # an SVG says which graph it draws (``drawn``): the graph as Mermaid, in its description
+    figure.savefig(path, bbox_inches="tight",
+                   metadata={"Date": None, "Description": mermaid()} if path.suffix == ".svg" else None)
     plt.close(figure)
 
 
