@@ -318,3 +318,14 @@ def test_an_unreachable_holders_state_gets_one_more_attempts_time():
     result = peer.sync()
     assert result.outcome is Outcome.GROUP_FINISHED_WITHOUT_US and peer.hash() == states["new"]
     assert result.attempts == 2  # the settle spent the next attempt's time
+
+
+def test_a_non_finite_average_is_not_applied():
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.append(with_group(("a", theirs(peer)), average=torch.full((8,), float("nan"))))
+    before = peer.hash()
+    result = peer.sync()
+    assert result.outcome is Outcome.AVERAGE_NOT_FINITE and not result.applied and peer.hash() == before
+
