@@ -9,7 +9,7 @@ import torch
 
 import peer.ops.checkpoint as checkpoint
 from dht.errors import UserError
-from peer.ops.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from peer.ops.checkpoint import CheckpointPayload, checkpoint_path, load_checkpoint, save_checkpoint
 
 
 def test_round_trip(tmp_path):
@@ -17,6 +17,30 @@ def test_round_trip(tmp_path):
     assert save_checkpoint(str(tmp_path), dict(epoch=3, params=torch.arange(5.0), merged={"a": 1}))
     payload = load_checkpoint(str(tmp_path))
     assert payload["epoch"] == 3 and torch.equal(payload["params"], torch.arange(5.0)) and payload["merged"] == {"a": 1}
+
+
+def payload(**changes):
+    fields = dict(manifest_hash="h", manifest_record={"settings": {}}, run_id="r", peer_id="p", params=torch.ones(4),
+                  momentum=torch.zeros(4), epoch=3, tokens_total=120, merged={"p": 2}, theta=torch.ones(4),
+                  optimizer={"state": {}, "param_groups": []}, local_steps=7, data_position=11, pending_tokens=40,
+                  pending_rounds=1, rounds=5, carried=torch.full((4,), 0.5), recovered_tokens=9)
+    return CheckpointPayload(**dict(fields, **changes))
+
+
+def test_the_payload_a_peer_saves_is_the_one_it_restores(tmp_path):
+    saved = payload()
+    assert saved.save(str(tmp_path))
+    restored = CheckpointPayload.load(str(tmp_path))
+    for name, value in vars(saved).items():
+        other = getattr(restored, name)
+        assert torch.equal(other, value) if isinstance(value, torch.Tensor) else other == value, name
+
+
+def test_a_checkpoint_missing_a_field_is_a_one_line_error(tmp_path):
+    fields = {k: v for k, v in vars(payload()).items() if k != "theta"}
+    save_checkpoint(str(tmp_path), fields)
+    with pytest.raises(UserError, match="is incomplete .*theta.*; move it away"):
+        CheckpointPayload.load(str(tmp_path))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])

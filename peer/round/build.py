@@ -89,10 +89,6 @@ class Parts:
         self.closer.close()
 
 
-def namespace_of(node: NodeConfig) -> str:
-    return run_namespace(node.run_id, node.run_token or os.environ.get("DILOCO_RUN_TOKEN"))
-
-
 def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, net: DHTConfig,
                 island: Optional[Island], hooks: Hooks) -> Parts:
     if node.threads:
@@ -102,7 +98,7 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         closer.callback(reporter.close)
         payload, net = _checkpoint_and_identity(node, net)
         net, fresh = signing_identity(net)  # our records are signed with our peer id's own key
-        namespace = namespace_of(node)
+        namespace = run_namespace(node.run_id, node.run_token or os.environ.get("DILOCO_RUN_TOKEN"))
         dht = start_dht(net, run_validators(namespace), check_identity=not fresh)
         closer.callback(_shut_down, dht)
         peer_id = dht.peer_id.to_base58()
