@@ -49,6 +49,8 @@ class RunConfig:
     ban_after: int = opt(3, "ignore a peer's parts for the rest of the run after this many rounds with bad parts "
                             "(0 = never)")
     quorum: int = opt(1, "smallest group that may apply an outer step; 1 = a lone peer never blocks")
+    group_size: int = opt(0, "split the peers at one state into groups of at least this many (from twice this many "
+                             "on), whose delegates then average across groups (0 = one group of all)")
     grace_seconds: float = opt(5.0, "matchmaking window: how long a ready peer waits for late peers")
     eval_fraction: float = opt(0.02, "tail of every text file held out for eval_loss (local datasets)")
     eval_batches: int = opt(8, "held-out batches per evaluation")
@@ -58,10 +60,12 @@ class RunConfig:
     def __post_init__(self):
         require_positive(self, "seq_len", "batch_size", "inner_steps", "eval_batches", "eval_every", "quorum")
         require_non_negative(self, "round_seconds", "weight_decay", "grad_clip", "align_every", "grace_seconds",
-                             "clip_factor", "ban_after",
+                             "clip_factor", "ban_after", "group_size",
                              "lr_decay_steps", "warmup_steps", "max_staleness")
         if self.lr is not None and not 0 < self.lr < 1:
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
+        if self.group_size == 1:
+            raise ValueError("group_size must be 0 (one group of all) or at least 2, got 1")
         if not 0 < self.outer_lr <= 10:
             raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:

@@ -1,13 +1,16 @@
 """Every outcome of the round's decision, as a pure function of a typed view: no network, no tensors, no time."""
 
+import collections
 import dataclasses
 
 import pytest
 
 from dht.records import PeerRecord
 from peer.round.decide import Action, Do, Failure, Outcome, Phase, View, decide, describe, settle_longer
+from peer.swarm import grouping
 from peer.swarm.consensus import MAX_MISSED, SYNCING
-from peer.swarm.metadata import Contribution
+from peer.swarm.grouping import delegate, group_count, plan, union
+from peer.swarm.metadata import Contribution, Delegation
 
 NOW = 1000.0
 MINE = PeerRecord(peer_id="me", epoch=5, state_hash="aa", tokens_total=500, manifest_hash="m")
@@ -152,7 +155,123 @@ def test_every_outcome_reads_as_a_line(outcome):
 
 def test_every_phase_decides():
     assert {phase for phase in Phase} == {Phase.BEGIN, Phase.READY, Phase.FAILED, Phase.SETTLED, Phase.CAUGHT_UP,
-                                          Phase.AVERAGED}
+                                          Phase.AVERAGED, Phase.CROSSED, Phase.RECEIVED}
     for phase in Phase:
         facts = dict(gathered={"me": Contribution(epoch=5, hash="aa", tokens=1)}, failure=Failure.LOST_MEMBER)
         assert isinstance(decide(view(phase, **facts)), Action)
+
+
+# ---- rounds of many groups (peer/swarm/grouping.py) ----
+
+def test_more_peers_at_our_state_than_a_group_holds_meet_in_groups():
+    holders = [peer(f"h{i}") for i in range(5)]
+    ours, size, mates, groups = plan([r.peer_id for r in holders], "me", MINE.epoch, 2)
+    action = decide(dataclasses.replace(view(Phase.READY, *holders), group_size=2))
+    assert (action.do, action.expected, action.target, action.groups, action.group) == (Do.AVERAGE, 6, size, groups,
+                                                                                        ours)
+    assert groups == 3 and set(action.probe) == set(mates)  # we dial only the peers expected in our group
+    one = decide(dataclasses.replace(view(Phase.READY, *holders), group_size=4))  # 6 peers: one group
+    assert (one.expected, one.target, one.groups, one.group) == (6, 6, 1, -1)
+    assert decide(view(Phase.READY, *holders)).target == 6  # group_size 0: always one group
+
+
+def test_a_peer_whose_group_holds_nobody_else_goes_across_at_once():
+    same = [f"h{i}" for i in range(40) if grouping.group_of(f"h{i}", MINE.epoch, 2) == 0][:3]  # 3 in one of 2 groups
+    holders = [peer(name) for name in same]
+    names = [r.peer_id for r in holders]
+    alone = next(name for name in (f"x{i}" for i in range(200)) if plan(names, name, MINE.epoch, 2)[1] == 1)
+    lonely = dataclasses.replace(view(Phase.READY, *holders), mine=dataclasses.replace(MINE, peer_id=alone),
+                                 group_size=2)
+    assert decide(lonely) == Action(Do.CROSS, expected=plan(names, alone, MINE.epoch, 2)[3])
+
+
+def members(*names, voters=6, epoch=5):
+    return {name: Contribution(epoch=epoch, hash="aa", tokens=10, weight=10.0, voters=voters, groups=3)
+            for name in names}
+
+
+def test_a_minority_group_goes_across_through_its_delegate():
+    gathered = members("me", "a")
+    speaker = delegate(gathered, MINE.epoch)
+    action = decide(view(Phase.AVERAGED, gathered=gathered, groups=3))
+    if speaker == "me":
+        assert action == Action(Do.CROSS, expected=3)
+    else:
+        assert action == Action(Do.RECEIVE, delegate="a")
+    # in a round of many groups even a majority group goes across, so that every group's work merges
+    assert decide(view(Phase.AVERAGED, gathered=members("me", "a", "b", "c"), groups=2)).do in (Do.CROSS,
+                                                                                               Do.RECEIVE)
+    one = {name: dataclasses.replace(c, groups=1) for name, c in members("me", "a").items()}
+    assert decide(view(Phase.AVERAGED, gathered=one)) == Action(Do.APPLY)  # one group of all: gated, applied
+
+
+def test_after_the_cross_group_phase():
+    merged = members("me", "a", "b", "c", "d", "e")
+    assert decide(view(Phase.CROSSED, gathered=merged, crosses=1)) == Action(Do.APPLY)
+    crossed = dict(crosses=1, groups=3)
+    assert decide(view(Phase.CROSSED, failure=Failure.NO_GROUP, **crossed)) == Action(Do.FINISH,
+                                                                                     Outcome.NO_OTHER_GROUPS)
+    # no other group came, but ours is a majority of the peers at our state: it applies on its own
+    assert decide(view(Phase.CROSSED, failure=Failure.NO_GROUP, group=members("me", "a", "b", "c"),
+                       **crossed)) == Action(Do.APPLY, own_group=True)
+    assert decide(view(Phase.CROSSED, failure=Failure.LOST_MEMBER, **crossed)) == Action(Do.CROSS,
+                                                                                        Outcome.LOST_MEMBER,
+                                                                                        expected=3)
+    assert decide(view(Phase.CROSSED, failure=Failure.LOST_MEMBER, crosses=3, groups=3)) == Action(
+        Do.FINISH, Outcome.LOST_MEMBER)
+    assert decide(view(Phase.CROSSED, failure=Failure.MINORITY, **crossed)) == Action(Do.SETTLE)
+    assert decide(view(Phase.CROSSED, failure=Failure.NO_MAJORITY, **crossed)) == Action(Do.FINISH, Outcome.MINORITY)
+    assert decide(view(Phase.CROSSED, failure=Failure.MAYBE_APPLIED, **crossed)) == Action(Do.SETTLE,
+                                                                                          Outcome.LOST_MEMBER)
+    # a delegate whose settle found nothing does not start its group's round over
+    assert decide(view(Phase.SETTLED, failure=Failure.MAYBE_APPLIED, crosses=1)) == Action(Do.FINISH,
+                                                                                          Outcome.LOST_MEMBER)
+
+
+def test_after_asking_our_delegate():
+    merged = members("me", "a", "b", "c", "d", "e")
+    assert decide(view(Phase.RECEIVED, gathered=merged)) == Action(Do.APPLY)
+    other = dict(merged, a=dataclasses.replace(merged["a"], hash="bb"))
+    assert decide(view(Phase.RECEIVED, gathered=other)) == Action(Do.FINISH, Outcome.STATE_MISMATCH)
+    assert decide(view(Phase.RECEIVED, failure=Failure.DELEGATE_LOST)) == Action(Do.SETTLE)
+    assert decide(view(Phase.RECEIVED, failure=Failure.MINORITY)) == Action(Do.SETTLE)
+    assert decide(view(Phase.RECEIVED, failure=Failure.NO_MAJORITY)) == Action(Do.FINISH, Outcome.MINORITY)
+    lost = dict(failure=Failure.DELEGATE_LOST)
+    assert decide(view(Phase.SETTLED, settled=True, merged_ours=True, **lost)) == Action(
+        Do.FINISH, Outcome.GROUP_FINISHED_WITHOUT_US)
+    assert decide(view(Phase.SETTLED, settled=False, **lost)) == Action(Do.FINISH, Outcome.DELEGATE_LOST)
+
+
+def test_groups_their_delegates_and_what_they_merge():
+    assert [group_count(n, 4) for n in (1, 4, 7, 8, 11, 12)] == [1, 1, 1, 2, 2, 3]  # one group up to twice 4
+    assert group_count(100, 0) == 1
+    roster = [f"p{i}" for i in range(41)]
+    plans = {me: plan(roster, me, 9, 8) for me in roster}  # every peer plans the others' groups as they do
+    sizes = collections.Counter(group for group, *_ in plans.values())
+    assert all(size == sizes[group] for group, size, _, _ in plans.values())  # each knows its group's size
+    assert all(plans[mate][0] == plans[me][0] for me in roster for mate in plans[me][2])
+    assert {groups for *_, groups in plans.values()} == {5}
+    # a peer the others disagree about (dead, say) changes only its own group's plan (while the count stands)
+    without = {me: plan(roster[1:], me, 9, 8) for me in roster[1:]}
+    changed = {me for me in roster[1:] if without[me][1] != plans[me][1]}
+    assert changed == set(plans["p0"][2])
+    assert len({plan(roster, "p1", epoch, 8)[2][0] for epoch in range(6)}) > 1  # groups mix from epoch to epoch
+    group = members("a", "b", "c")
+    assert delegate(group, 5) == delegate(dict(reversed(list(group.items()))), 5)  # every member elects alike
+    assert len({delegate(group, epoch) for epoch in range(20)}) > 1  # the duty moves from round to round
+    clients = {k: dataclasses.replace(c, client=k != "c") for k, c in group.items()}
+    assert delegate(clients, 5) == "c"  # a client cannot serve the result
+    first = Delegation(epoch=5, hash="aa", align=False, members=members("a", "b"))
+    second = Delegation(epoch=5, hash="aa", align=False, members=members("c"))
+    assert set(union([first, second])) == {"a", "b", "c"} and first.weight() == 20.0
+    with pytest.raises(ValueError, match="member of two delegations"):
+        union([first, first])
+    assert Delegation.from_wire(first.to_wire()) == first
+    with pytest.raises(ValueError, match="must hold its epoch"):
+        Delegation.from_wire(dict(first.to_wire(), epoch=6))
+
+
+def test_a_peer_left_over_when_the_groups_filled_goes_across_alone():
+    left = dict(failure=Failure.NO_GROUP, expected=5, attempts=1)
+    assert decide(view(Phase.FAILED, groups=3, **left)) == Action(Do.CROSS, expected=3)
+    assert decide(view(Phase.FAILED, groups=1, **left)) == Action(Do.CATCH_UP)  # one group of all: it missed it

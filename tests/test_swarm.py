@@ -210,3 +210,21 @@ def test_quantized_rounds_shrink_the_wire_and_keep_states_identical(swarm):
     assert sent["int8"] <= 0.27 * sent["none"], sent
     assert sent["int4"] <= 0.14 * sent["none"], sent
 
+
+
+def test_a_swarm_larger_than_its_group_size_meets_in_groups_and_ends_each_round_on_one_state(swarm):
+    """5 peers in groups of at least 2: two groups a round, whose delegates average across groups and serve the
+    result to their groupmates. Every round merges all five, and every peer that applies it holds one hash."""
+    peers = [swarm.peer(f"p{i}", "--group-size", "2") for i in range(5)]
+    wait_until(lambda: all(p.reached(lambda m: sum(r["applied"] and r["groups"] >= 2 for r in m) >= 4)
+                           for p in peers), 240, "every peer to apply 4 rounds merged across 2 groups")
+    for peer in peers:
+        peer.signal(signal.SIGTERM)
+    for peer in peers:
+        assert peer.wait(60) == 0, peer.stderr[-3000:]
+    assert assert_groups_agree(peers) >= 4 * 5 * 4
+    merged = [r for p in peers for r in p.metrics if r["applied"] and r["groups"] >= 2]
+    assert all(r["group_size"] == 5 for r in merged), [(r["epoch"], r["group_size"]) for r in merged]
+    for epoch, records in by_epoch(peers).items():
+        assert len({r["state_hash"] for r in records.values()}) == 1, f"epoch {epoch} holds two states"
+    assert_loss_fell(peers)

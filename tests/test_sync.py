@@ -9,13 +9,13 @@ import dataclasses
 
 import torch
 
-from peer.averaging.failures import GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
+from peer.averaging.failures import DelegateLost, GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.config import RunConfig
 from peer.outer.nesterov import nesterov_step
 from peer.round.decide import Outcome
 from peer.swarm.consensus import MAX_MISSED, SYNCING
 from peer.swarm.metadata import Contribution
-from tests.harness.fake import FakePeer, record, with_group
+from tests.harness.fake import FakePeer, across, record, with_group
 
 
 def stepped(peer, delta):
@@ -329,3 +329,116 @@ def test_a_non_finite_average_is_not_applied():
     result = peer.sync()
     assert result.outcome is Outcome.AVERAGE_NOT_FINITE and not result.applied and peer.hash() == before
 
+
+
+# ---- rounds of many groups ----
+
+def many(peer_id, numel=8):
+    """A peer among 6 at its state, in groups of 2: 3 groups a round."""
+    peer = FakePeer(numel=numel, run=RunConfig(align_every=0, group_size=2).resolved(), peer_id=peer_id)
+    for name in ("h1", "h2", "h3", "h4", "h5"):
+        holder(peer, name)
+    return peer
+
+
+def groupmate(peer, tokens=100):
+    return theirs(peer, tokens=tokens, voters=6, groups=3, weight=float(tokens))
+
+
+def test_a_delegate_averages_across_groups_and_applies_for_the_whole_swarm():
+    peer = many("d")  # "d" wins the election at epoch 4 against "h1"
+    peer.train()
+    global_average = torch.full((8,), 0.002)
+    peer.transport.scripts.extend([with_group(("h1", groupmate(peer))),
+                                   across(["h2", "h3", "h4", "h5"], average=global_average)])
+    expected = stepped(peer, global_average)
+    result = peer.sync()
+    assert result.applied and result.group == ("d", "h1", "h2", "h3", "h4", "h5")
+    assert [p["phase"] for p in peer.transport.prepared] == ["group", "cross"]
+    assert peer.transport.prepared[0]["expected"] == 3  # our group closes when its 3 expected members joined
+    delegation, weight, _ = peer.transport.sent[1]
+    assert set(delegation.members) == {"d", "h1"} and weight == delegation.weight() == 200.0
+    assert torch.equal(peer.state.params, expected[0])  # the swarm's average, not our group's
+    assert peer.state.tokens_total == 1000 + 100 * 6 and set(peer.state.merged) == set(result.group)
+
+
+def test_a_member_takes_the_swarms_average_from_its_delegate():
+    peer = many("me")
+    peer.train()
+    global_average = torch.full((8,), 0.003)
+    peer.transport.scripts.extend([with_group(("h1", groupmate(peer))),
+                                   across(["h1", "h2", "h3", "h4", "h5"], average=global_average)])
+    expected = stepped(peer, global_average)
+    result = peer.sync()
+    assert result.applied and peer.transport.received == ["h1"] and len(peer.transport.sent) == 1
+    assert torch.equal(peer.state.params, expected[0]) and len(result.group) == 6
+
+
+def test_a_member_whose_delegate_is_lost_finds_the_state_it_applied_or_waits_a_round():
+    peer = many("me")
+    delta = peer.train()
+    applied = {}
+
+    def lost_after_applying(*_):
+        applied["hash"] = peer.serve_next_state(delta, contributors=["me", "h1", "h2"], tokens=300,
+                                                holders=["h1", "h2"])
+        raise DelegateLost("no result from the delegate within 30.0s")
+
+    peer.transport.scripts.extend([with_group(("h1", groupmate(peer))), lost_after_applying])
+    result = peer.sync()
+    assert result.outcome is Outcome.GROUP_FINISHED_WITHOUT_US and peer.hash() == applied["hash"]
+
+    quiet = many("me")
+    quiet.train()
+    theta = quiet.theta
+    quiet.transport.scripts.extend([with_group(("h1", groupmate(quiet))), DelegateLost("it gave up")])
+    result = quiet.sync()
+    assert result.outcome is Outcome.DELEGATE_LOST and not result.applied
+    assert result.error == "our group's delegate brought no result (it gave up); contributing next round"
+    assert torch.equal(quiet.theta, theta)  # our work stays, for the next round
+
+
+def test_a_cross_group_retry_starts_from_the_groups_average_and_a_delegate_that_gives_up_says_so():
+    peer = many("d")
+    peer.train()
+    group_average = torch.full((8,), 0.01)
+    seen = []
+
+    def lost_member_after_writing(transport, *_):
+        seen.append(transport.tensors[0].clone())
+        transport.tensors[0].fill_(123.0)  # a failed all-reduce may leave a partial average behind
+        raise GroupLostMember("lost reducer")
+
+    def check_then_fail(transport, *_):
+        seen.append(transport.tensors[0].clone())
+        raise NoGroup("could not find a group")
+
+    peer.transport.scripts.extend([with_group(("h1", groupmate(peer)), average=group_average),
+                                   lost_member_after_writing, check_then_fail])
+    result = peer.sync()
+    assert all(torch.equal(t, group_average) for t in seen) and len(seen) == 2
+    assert result.outcome is Outcome.NO_OTHER_GROUPS and not result.applied
+    assert peer.transport.given_up == [(4, peer.hash())]  # its groupmates stop waiting
+
+
+def test_a_majority_group_whose_delegate_meets_no_other_applies_on_its_own():
+    peer = many("d")
+    peer.train()
+    group_average = torch.full((8,), 0.005)
+    big = [(name, groupmate(peer)) for name in ("h1", "h2", "h3")]
+    peer.transport.scripts.extend([with_group(*big, average=group_average), NoGroup("could not find a group")])
+    expected = stepped(peer, group_average)
+    result = peer.sync()
+    assert result.applied and len(result.group) == 4 and torch.equal(peer.state.params, expected[0])
+    assert [p["phase"] for p in peer.transport.prepared] == ["group", "cross"]
+    assert peer.transport.concluded == [(4, peer.transport.prepared[0]["hash"], ("d", "h1", "h2", "h3"))]
+
+
+def test_a_peer_left_without_a_group_is_its_own_delegate():
+    peer = many("me")
+    delta = peer.train()
+    peer.transport.scripts.extend([NoGroup("could not find a group"), across(["h1", "h2", "h3", "h4", "h5"])])
+    result = peer.sync()
+    delegation, weight, sent = peer.transport.sent[1]
+    assert result.applied and set(delegation.members) == {"me"} and weight == 100.0
+    assert torch.allclose(sent, delta)  # its own pseudo-gradient is its group's average

@@ -19,7 +19,7 @@ RPCs:
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Dict, Optional, Sequence, Set, Tuple, Type
+from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode, GroupID
@@ -202,6 +202,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             ignored={i for i, peer in enumerate(self.sender_peer_ids) if peer in banned}, on_offence=self._offence,
         )
         self._encoded: Dict[int, asyncio.Future] = {}
+        # every averaged part as encoded by its reducer, keyed (reducer index, part index): what every member decoded
+        self.outputs: Dict[Tuple[int, int], runtime_pb2.Tensor] = {}
         self.hooks, self.epoch = hooks, epoch  # a harness may strike at SEND and REDUCE of this round
 
     def _init_hivemind_fields(self, p2p: P2P, servicer_type: Type[ServicerBase], prefix: Optional[str],
@@ -230,6 +232,10 @@ class ExactAllReduceRunner(AllReduceRunner):
         if offence.severe:
             self.severe.add(peer)
 
+    def encoded_outputs(self) -> List[runtime_pb2.Tensor]:
+        """The averaged parts in order, as every member decoded them (a cross-group round's result)."""
+        return [self.outputs[key] for key in sorted(self.outputs)]
+
     @property
     def my_index(self) -> int:
         return self.ordered_peer_ids.index(self.peer_id)
@@ -256,6 +262,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                         sender_index, part_index, part, weight=self.weight
                     )
                     encoded = await self._encode_once(part_index, averaged)
+                    self.outputs[peer_index, part_index] = encoded
                     container.register_processed_part(peer_index, part_index, self.compression.extract(encoded))
                 return
 
@@ -267,21 +274,22 @@ class ExactAllReduceRunner(AllReduceRunner):
 
             shapes = iter([part.shape for part, _ in container._input_parts_by_peer[peer_index]])  # what it reduces
 
-            def decode(message: averaging_pb2.AveragingData) -> torch.Tensor:
+            def decode(message: averaging_pb2.AveragingData) -> Tuple[torch.Tensor, runtime_pb2.Tensor]:
                 if message.code != averaging_pb2.AVERAGED_PART:
                     raise GroupLostMember(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
                 shape = next(shapes, None)
                 if shape is None:
                     raise GroupLostMember(f"{peer_id} sent more averaged parts than it reduces")
                 try:
-                    return self.compression.extract_expected(message.tensor_part, shape)
+                    return self.compression.extract_expected(message.tensor_part, shape), message.tensor_part
                 except ValueError as e:
                     raise GroupLostMember(f"{peer_id} sent a malformed averaged part: {e}") from None
 
             part_index = 0
-            async for averaged in amap_in_executor(
+            async for averaged, encoded in amap_in_executor(
                 decode, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=container.prefetch
             ):
+                self.outputs[peer_index, part_index] = encoded
                 container.register_processed_part(peer_index, part_index, averaged)
                 part_index += 1
             if part_index != container.num_parts_by_peer[peer_index]:

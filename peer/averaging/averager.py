@@ -36,10 +36,14 @@ from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.bans import Bans
 from peer.averaging.failures import GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.averaging.liveness import stop_waiting_for_the_gone
+from peer.averaging.results import MINORITY, NO_MAJORITY, READY, RoundResults, result_key
 from peer.averaging.sharing import StateProvider, StateSharing
 from peer.hooks import Hooks
 from peer.swarm.consensus import majority_elsewhere, minority
-from peer.swarm.metadata import Averaged, Contribution, Gathered
+from peer.swarm.grouping import union
+from peer.swarm.metadata import Averaged, Contribution, Delegation, Gathered
+
+GROUP, CROSS = "group", "cross"  # a round's phases that average: inside a group, and across groups' delegates
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ def round_bits(epoch: int, state_hash: str) -> str:
     return format(int.from_bytes(digest[:8], "big"), "064b")
 
 
-class SwarmAverager(StateSharing, DecentralizedAverager):
+class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
     """Averages ``delta`` (and ``moment`` on alignment rounds) with whichever peers share our state."""
 
     _rpc_handlers = _stub_type = None  # hivemind caches these per class: collect ours, rpc_download_slice too
@@ -67,6 +71,7 @@ class SwarmAverager(StateSharing, DecentralizedAverager):
         self.exact_timeout, self.part_timeout = allreduce_timeout, part_timeout  # set per round by prepare_round
         self._traffic = mp.Array(ctypes.c_ulonglong, 2)  # written by the averager process, read by ours
         self.round_epoch = -1  # the epoch being synced, as set by prepare_round (averager process)
+        self.round_phase, self.round_key = GROUP, ""  # which all-reduce this round's step runs, and the round's key
         self._rounds_prepared = 0  # prepare_round calls so far (averager process): a stale probe's round is over
         self._probe_task: Optional[asyncio.Task] = None  # this round's liveness probe (averager process)
         self.has_moment = moment is not None
@@ -111,24 +116,33 @@ class SwarmAverager(StateSharing, DecentralizedAverager):
 
     # ---- round control (main process -> averager process) ----
     def prepare_round(self, epoch: int, state_hash: str, min_group: int, expected_group: int,
-                      allreduce_timeout: float, part_timeout: float, probe: Sequence[str] = ()) -> None:
+                      allreduce_timeout: float, part_timeout: float, probe: Sequence[str] = (),
+                      phase: str = GROUP, group: int = -1) -> None:
         """Use this round's matchmaking key and deadlines. A leader closes the group as soon as
         ``expected_group`` peers joined, or when its grace window ends with at least ``min_group``; below
         that, no group forms. Expected peers listed in ``probe`` are dialled meanwhile, and each one that
-        cannot be reached (``liveness.gone``) is taken off the expected group."""
+        cannot be reached (``liveness.gone``) is taken off the expected group. ``phase``: ``GROUP`` meets the
+        peers at our state (in ``group`` of a round of many; -1: one group of all), ``CROSS`` the delegates of its
+        groups; each under a key of its own."""
         future = MPFuture()
-        internals.call_in_averager(self, "_prepare_round", epoch=epoch, bits=round_bits(epoch, state_hash),
-                                   min_group=min_group, expected_group=expected_group,
-                                   allreduce_timeout=allreduce_timeout, part_timeout=part_timeout, probe=list(probe),
-                                   future=future)
+        if phase == CROSS:
+            bits = round_bits(epoch, f"{state_hash}/{CROSS}")
+        else:
+            bits = round_bits(epoch, state_hash if group < 0 else f"{state_hash}/{GROUP}{group}")
+        internals.call_in_averager(self, "_prepare_round", epoch=epoch, bits=bits, phase=phase,
+                                   key=result_key(epoch, state_hash), min_group=min_group,
+                                   expected_group=expected_group, allreduce_timeout=allreduce_timeout,
+                                   part_timeout=part_timeout, probe=list(probe), future=future)
         future.result(timeout=30)
 
-    async def _prepare_round(self, epoch: int, bits: str, min_group: int, expected_group: int,
+    async def _prepare_round(self, epoch: int, bits: str, phase: str, key: str, min_group: int, expected_group: int,
                              allreduce_timeout: float, part_timeout: float, probe: List[str],
                              future: MPFuture) -> None:
         try:
             self._rounds_prepared += 1
-            self.round_epoch = epoch
+            self.round_epoch, self.round_phase, self.round_key = epoch, phase, key
+            if phase == CROSS:
+                self._result(key)  # pending: our groupmates may ask for it from now on
             self.exact_timeout, self.part_timeout = allreduce_timeout, part_timeout
             matchmaking = internals.matchmaking(self)
             internals.raise_when_no_group(matchmaking, NoGroup)
@@ -152,7 +166,10 @@ class SwarmAverager(StateSharing, DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> Averaged:
         """Run the exact all-reduce in a formed group, unless the group may not apply the round."""
         bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
-        gathered = self._read_gathered(group_info.peer_ids, user_bytes)
+        if self.round_phase == CROSS:
+            gathered = self._read_delegations(group_info.peer_ids, user_bytes)
+        else:
+            gathered = self._read_gathered(group_info.peer_ids, user_bytes)
         count = 2 if (next(iter(gathered.values())).align and self.has_moment) else 1
         modes = tuple(map(AveragingMode, mode_ids))
         size = sum(t.numel() for t in internals.averaged_tensors(self)[:count])
@@ -181,8 +198,15 @@ class SwarmAverager(StateSharing, DecentralizedAverager):
         finally:
             if runner is not None:
                 internals.retrieve_runner_error(runner)
+        if self.round_phase == CROSS:  # our groupmates take the result from us (and the other delegates)
+            self._conclude(self.round_key, READY, runner.encoded_outputs(), info=dict(
+                gathered={peer: c.to_wire() for peer, c in gathered.items()}, aligned=count == 2,
+                groups=len(group_info.peer_ids),
+                delegates=[peer.to_base58() for peer, mode in zip(group_info.peer_ids, modes)
+                           if mode != AveragingMode.CLIENT]))
         return Averaged(gathered=gathered, aligned=count == 2, seconds=asyncio.get_event_loop().time() - started,
-                        offences=self.bans.judge(runner.offences, runner.severe))
+                        offences=self.bans.judge(runner.offences, runner.severe),
+                        groups=len(group_info.peer_ids) if self.round_phase == CROSS else 1)
 
     def _read_gathered(self, peer_ids: Sequence[Any], user_bytes: Sequence[bytes]) -> Gathered:
         """Every member's contribution, and the consensus gate: every member finds the same, from the same
@@ -194,10 +218,35 @@ class SwarmAverager(StateSharing, DecentralizedAverager):
             raise GroupLostMember(f"a member sent malformed group metadata: {e}") from None
         if len({contribution.align for contribution in gathered.values()}) != 1:
             raise GroupLostMember("group members disagree on momentum alignment")
-        why_not = minority(gathered)
-        if why_not is not None:
-            raise (MinorityGroup if majority_elsewhere(gathered) else NoMajority)(why_not)
+        if all(contribution.groups == 1 for contribution in gathered.values()):  # one group of all: the gate
+            self._gate(gathered)  # (in a round of many groups, the cross-group phase gates)
         return gathered
+
+    def _read_delegations(self, peer_ids: Sequence[Any], user_bytes: Sequence[bytes]) -> Gathered:
+        """The cross-group phase: every delegate's group, merged, and the same gate over all of them."""
+        try:
+            delegations = {peer.to_base58(): Delegation.from_wire(self.serializer.loads(data))
+                           for peer, data in zip(peer_ids, user_bytes)}
+            if any(peer not in delegation.members for peer, delegation in delegations.items()):
+                raise ValueError("a delegate is not a member of its own group")
+            gathered = union(delegations.values())
+        except ValueError as e:
+            raise GroupLostMember(f"a delegate sent a malformed delegation: {e}") from None
+        if len({delegation.align for delegation in delegations.values()}) != 1:
+            raise GroupLostMember("delegates disagree on momentum alignment")
+        self._gate(gathered)
+        return gathered
+
+    def _gate(self, gathered: Gathered) -> None:
+        """The majority rule (``consensus.minority``): every member decides alike from the same gathered data, so
+        either all send or none does. A cross-group round's groupmates learn the verdict from their delegate."""
+        why_not = minority(gathered)
+        if why_not is None:
+            return
+        elsewhere = majority_elsewhere(gathered)
+        if self.round_phase == CROSS:
+            self._conclude(self.round_key, MINORITY if elsewhere else NO_MAJORITY, info=dict(error=why_not))
+        raise (MinorityGroup if elsewhere else NoMajority)(why_not)
 
     def _failure(self, error: Exception, runner: Optional[ExactAllReduceRunner]) -> GroupLostMember:
         if isinstance(error, TimeoutError):

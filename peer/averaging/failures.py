@@ -30,3 +30,8 @@ class MinorityGroup(AllreduceException):
 class NoMajority(MinorityGroup):
     """As MinorityGroup, but the peers outside the group are no majority either (a 2|2 split): no group
     applies this round, so there is no new state to wait for."""
+
+
+class DelegateLost(AllreduceException):
+    """Our group's delegate brought no result of the cross-group phase (it failed, stalled, or gave up): it may
+    have applied the round, with our delta, before it stopped answering."""

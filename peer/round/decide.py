@@ -40,12 +40,14 @@ from dht.records import PeerRecord
 from peer.swarm.consensus import (
     MAX_MISSED,
     joining,
+    minority,
     peers_ahead,
     peers_behind,
     peers_with_state,
     syncing_now,
     voters,
 )
+from peer.swarm.grouping import delegate, plan
 from peer.swarm.metadata import Gathered
 
 
@@ -56,6 +58,8 @@ class Phase(enum.Enum):
     SETTLED = "settled"
     CAUGHT_UP = "caught_up"
     AVERAGED = "averaged"
+    CROSSED = "crossed"
+    RECEIVED = "received"
 
 
 class Failure(enum.Enum):
@@ -66,6 +70,7 @@ class Failure(enum.Enum):
     NO_MAJORITY = "no_majority"  # a minority, with no majority possible elsewhere either (a 2|2 split)
     LOST_MEMBER = "lost_member"  # the all-reduce lost a member: nothing from it was applied
     MAYBE_APPLIED = "maybe_applied"  # it failed for us after our reducer finished: the others may have applied
+    DELEGATE_LOST = "delegate_lost"  # our group's delegate brought no result: it may have applied with our delta
 
 
 class Outcome(enum.Enum):
@@ -87,6 +92,8 @@ class Outcome(enum.Enum):
     LOST_MEMBER = "lost_member"  # the all-reduce lost a member; retried with the survivors while time allowed
     STATE_MISMATCH = "state_mismatch"  # a groupmate held a different state (round keys make this unreachable)
     AVERAGE_NOT_FINITE = "average_not_finite"  # the averaged pseudo-gradient is not finite
+    NO_OTHER_GROUPS = "no_other_groups"  # our delegate met no other group's: contributing next round
+    DELEGATE_LOST = "delegate_lost"  # our group's delegate brought no result: contributing next round
 
 
 class Do(enum.Enum):
@@ -98,6 +105,8 @@ class Do(enum.Enum):
     CATCH_UP = "catch_up"  # adopt the swarm's best state if it beats ours
     STEP_ALONE = "step_alone"  # our own pseudo-gradient is the outer step
     APPLY = "apply"  # the group's averaged pseudo-gradient is the outer step
+    CROSS = "cross"  # as our group's delegate, the cross-group all-reduce of the groups' averages
+    RECEIVE = "receive"  # take the swarm's average from our group's delegate (and the round's others)
 
 
 @dataclass(frozen=True)
@@ -107,9 +116,14 @@ class Action:
     count: int = 0  # the peers an outcome speaks of (behind, ahead, expected)
     refresh: bool = False  # ATTEMPT: read the swarm's records before it
     send_carried: bool = False  # ATTEMPT: deltas carried from a fork just left go out now, with their tokens
-    expected: int = 0  # AVERAGE: the group we expect, us included
+    expected: int = 0  # AVERAGE: the peers we expect at our state, us included; CROSS: the groups we expect
+    target: int = 0  # AVERAGE: the size our group closes at: its expected members (``grouping.plan``)
+    groups: int = 1  # AVERAGE: the groups the round is expected to have (1: one group of all)
+    group: int = -1  # AVERAGE: which group we meet in (-1: one group of all)
     probe: Tuple[str, ...] = ()  # AVERAGE: the expected peers to dial while the group forms
     voters: int = 1  # AVERAGE: the electorate we count, us included
+    delegate: str = ""  # RECEIVE: our group's delegate
+    own_group: bool = False  # APPLY: our group's average, as a majority whose delegate met no other group's
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,7 @@ class View:
     now: float  # DHT time
     quorum: int
     retries: int  # how many times a sync may retry
+    group_size: int = 0  # the largest group (0: one group of all the peers at a state)
     attempts: int = 0  # attempts made in this sync
     time_left: float = 1.0  # seconds to the sync's deadline
     stuck: int = 0  # rounds in a row this peer sat at its state without applying, before this one
@@ -136,7 +151,10 @@ class View:
     expected: int = 0  # FAILED, SETTLED, CAUGHT_UP: the group the attempt expected
     settled: bool = False  # SETTLED: we adopted our group's finished state
     merged_ours: bool = False  # SETTLED: that state merged our delta
-    gathered: Optional[Gathered] = None  # AVERAGED: the group's contributions
+    gathered: Optional[Gathered] = None  # AVERAGED: the group's contributions; CROSSED, RECEIVED: the round's
+    groups: int = 1  # AVERAGED: the groups the round was expected to have
+    crosses: int = 0  # CROSSED: cross-group attempts made in this sync
+    group: Optional[Gathered] = None  # CROSSED: our own group's contributions
 
 
 def decide(view: View) -> Action:
@@ -169,11 +187,17 @@ def _ready(view: View) -> Action:
     if not view.finite:
         return Action(Do.FINISH, Outcome.DIVERGED)
     holders = peers_with_state(view.records, view.mine, view.now)
-    expected = 1 + len(holders) + len(joining(view.records, view.mine, view.now))
+    joiners = joining(view.records, view.mine, view.now)
+    expected = 1 + len(holders) + len(joiners)
     if expected > 1:
+        group, size, mates, groups = plan([r.peer_id for r in holders + joiners], view.mine.peer_id,
+                                          view.mine.epoch, view.group_size)
+        if size == 1:  # nobody else meets in our group this round: we are its delegate at once
+            return Action(Do.CROSS, expected=groups)
         # a holder killed just now still has a fresh record: the averager asks the network whether it is gone
-        return Action(Do.AVERAGE, expected=expected, probe=tuple(r.peer_id for r in holders if not r.client_mode),
-                      voters=voters(view.records, view.mine, view.now, producers=view.producers))
+        probe = tuple(r.peer_id for r in holders if not r.client_mode and r.peer_id in mates)
+        return Action(Do.AVERAGE, expected=expected, target=size, groups=groups, group=group if groups > 1 else -1,
+                      probe=probe, voters=voters(view.records, view.mine, view.now, producers=view.producers))
     stalled = view.stuck + 1 >= MAX_MISSED
     if view.lookup_failed and not stalled:
         # stepping alone on a view that may be empty only because it is late would fork the run
@@ -210,6 +234,8 @@ def _failed(view: View) -> Action:
         return Action(Do.SETTLE, Outcome.LOST_MEMBER)
     if failure is Failure.LOST_MEMBER:
         return _next(view, Outcome.LOST_MEMBER)
+    if view.groups > 1 and not view.crosses:  # left over when the others' groups filled: a group of one goes across
+        return Action(Do.CROSS, expected=view.groups)
     return Action(Do.CATCH_UP)  # no group: did the swarm move on without us?
 
 
@@ -218,6 +244,9 @@ def _settled(view: View) -> Action:
         return Action(Do.FINISH, Outcome.MINORITY_ADOPTED if view.settled else Outcome.MINORITY)
     if view.settled and view.merged_ours:
         return Action(Do.FINISH, Outcome.GROUP_FINISHED_WITHOUT_US)
+    if view.failure is Failure.DELEGATE_LOST or view.crosses:  # a new attempt would miss our group's round
+        return Action(Do.FINISH, Outcome.DELEGATE_LOST if view.failure is Failure.DELEGATE_LOST
+                      else Outcome.LOST_MEMBER)
     return _next(view)  # the attempt's LOST_MEMBER stands
 
 
@@ -240,14 +269,51 @@ def _caught_up(view: View) -> Action:
 
 
 def _averaged(view: View) -> Action:
-    mine = (view.mine.epoch, view.mine.state_hash)
-    if any((c.epoch, c.hash) != mine for c in view.gathered.values()):
+    """Our group's all-reduce is done. One group of all applies it (the averager gated it by the majority rule); a
+    group of a round of many goes on to the cross-group phase: its delegate averages with the other groups'
+    delegates, and the others take the result from it."""
+    if _mismatch(view):
         return Action(Do.FINISH, Outcome.STATE_MISMATCH)  # round keys make this unreachable
-    return Action(Do.APPLY)
+    if all(contribution.groups == 1 for contribution in view.gathered.values()):
+        return Action(Do.APPLY)
+    speaker = delegate(view.gathered, view.mine.epoch)
+    if speaker == view.mine.peer_id:
+        return Action(Do.CROSS, expected=view.groups)
+    return Action(Do.RECEIVE, delegate=speaker)
+
+
+def _crossed(view: View) -> Action:
+    """After the cross-group all-reduce, as our group's delegate."""
+    if view.gathered is not None:
+        return Action(Do.FINISH, Outcome.STATE_MISMATCH) if _mismatch(view) else Action(Do.APPLY)
+    if view.failure is Failure.NO_GROUP:  # no other group's delegate came: a majority group applies on its own
+        if view.group is not None and minority(view.group) is None:
+            return Action(Do.APPLY, own_group=True)
+        return Action(Do.FINISH, Outcome.NO_OTHER_GROUPS)
+    if view.failure is Failure.LOST_MEMBER:  # from our group's average again, while attempts and time remain
+        if view.crosses <= view.retries and view.time_left > 0:
+            return Action(Do.CROSS, Outcome.LOST_MEMBER, expected=view.groups)
+        return Action(Do.FINISH, Outcome.LOST_MEMBER)
+    return _failed(view)  # a minority, no majority, or maybe applied: as after a group's attempt
+
+
+def _received(view: View) -> Action:
+    """After asking our group's delegate for the swarm's average."""
+    if view.gathered is not None:
+        return Action(Do.FINISH, Outcome.STATE_MISMATCH) if _mismatch(view) else Action(Do.APPLY)
+    if view.failure is Failure.DELEGATE_LOST:  # it may have applied with our delta: look for that state
+        return Action(Do.SETTLE)
+    return _failed(view)  # its cross-group round was a minority, or no majority
+
+
+def _mismatch(view: View) -> bool:
+    mine = (view.mine.epoch, view.mine.state_hash)
+    return any((c.epoch, c.hash) != mine for c in view.gathered.values())
 
 
 _BY_PHASE = {Phase.BEGIN: _begin, Phase.READY: _ready, Phase.FAILED: _failed, Phase.SETTLED: _settled,
-             Phase.CAUGHT_UP: _caught_up, Phase.AVERAGED: _averaged}
+             Phase.CAUGHT_UP: _caught_up, Phase.AVERAGED: _averaged, Phase.CROSSED: _crossed,
+             Phase.RECEIVED: _received}
 
 
 def holders_syncing(view: View) -> bool:
@@ -278,6 +344,8 @@ _TEXT = {
     Outcome.LOST_MEMBER: "all-reduce failed ({detail}); retrying with the survivors",
     Outcome.STATE_MISMATCH: "a groupmate held a different state; not applied",
     Outcome.AVERAGE_NOT_FINITE: "the averaged pseudo-gradient is not finite; not applied",
+    Outcome.NO_OTHER_GROUPS: "our group's delegate met no other group's; contributing next round",
+    Outcome.DELEGATE_LOST: "our group's delegate brought no result ({detail}); contributing next round",
 }
 
 

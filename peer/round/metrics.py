@@ -13,7 +13,7 @@ def round_record(parts, job, result, sync_seconds: float, eval_loss: Optional[fl
     return dict(
         epoch=state.epoch, time=time.time(), peer_id=parts.peer_id, round=parts.progress.rounds, loss=stats.loss,
         eval_loss=eval_loss, tokens=stats.tokens, tokens_total=state.tokens_total,
-        inner_steps=stats.steps, group_size=len(result.group), group=list(result.group),
+        inner_steps=stats.steps, group_size=len(result.group), group=list(result.group), groups=result.groups,
         state_hash=state.hash(), bytes_sent=traffic[0], bytes_received=traffic[1],
         compute_seconds=stats.compute_seconds, sync_seconds=sync_seconds, stale=job.rounds - 1,
         rebased=result.rebased, applied=result.applied, attempts=result.attempts, aligned=result.aligned,

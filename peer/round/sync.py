@@ -25,7 +25,8 @@ import torch
 
 from compression.feedback import ErrorFeedback
 from dht.errors import first_line
-from peer.averaging.failures import MaybeApplied, MinorityGroup, NoGroup, NoMajority
+from peer.averaging.averager import CROSS
+from peer.averaging.failures import DelegateLost, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import MATCHMAKING, Hooks
 from peer.outer.lineage import Lineage
@@ -37,7 +38,7 @@ from peer.round.decide import Action, Do, Failure, Outcome, Phase, View, decide,
 from peer.swarm.clock import Clock
 from peer.swarm.consensus import SYNCING, responsive
 from peer.swarm.deadlines import Deadlines
-from peer.swarm.metadata import Averaged, Contribution
+from peer.swarm.metadata import Averaged, Contribution, Delegation
 from peer.swarm.records import RecordCache
 from peer.swarm.timing import next_round_seconds, round_end
 from peer.train.flat import FlatLayout
@@ -61,6 +62,7 @@ class SyncResult:
     next_round_seconds: Optional[float] = None  # the group's agreed length of the next inner phase
     round_end: Optional[float] = None  # overlap: the group's agreed end (DHT time) of the round in progress
     offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
+    groups: int = 0  # the groups whose work the applied round merged (1: one group; 0: none applied)
 
 
 def classify(error: BaseException) -> Failure:
@@ -73,6 +75,8 @@ def classify(error: BaseException) -> Failure:
         return Failure.NO_GROUP
     if isinstance(error, MaybeApplied):
         return Failure.MAYBE_APPLIED
+    if isinstance(error, DelegateLost):
+        return Failure.DELEGATE_LOST
     return Failure.LOST_MEMBER
 
 
@@ -88,7 +92,11 @@ class _Attempt:
     align: bool = False
     started: float = 0.0
     detail: str = ""  # the last failure's first line
-    averaged: Optional[Averaged] = None
+    averaged: Optional[Averaged] = None  # what the last all-reduce (or the delegates) brought: what APPLY applies
+    group: Optional[Averaged] = None  # a round of many groups: our group's all-reduce, which our delegation carries
+    group_average: Optional[List[torch.Tensor]] = None  # a delegate's copy of it, for a cross-group retry
+    crossed: Optional[Tuple[int, str]] = None  # as a delegate: the round (epoch, hash) our groupmates wait for
+    crosses: int = 0
 
 
 class Synchronizer:
@@ -140,6 +148,10 @@ class Synchronizer:
                 self._apply_alone(attempt.tokens, result)
                 break
             if action.do is Do.APPLY:
+                if action.own_group:  # as a majority group's delegate that met no other: our group's average
+                    self._restore_group_average(attempt)
+                    self.transport.conclude_group(*attempt.crossed, attempt.group)
+                    attempt.averaged = attempt.group
                 self._apply(attempt.averaged, result)
                 break
             facts = self._act(action, attempt, result, facts)
@@ -148,6 +160,8 @@ class Synchronizer:
         result.rebased = result.rebased or result.outcome in REBASED
         if not result.applied:
             self.lineage.return_tokens(attempt.recovered)  # still carried: sent, with its tokens, at our next sync
+            if attempt.crossed is not None:  # as a delegate without the round's result: our groupmates stop waiting
+                self.transport.give_up_result(*attempt.crossed)
         return result
 
     def _enter(self, budget: float) -> None:
@@ -163,6 +177,7 @@ class Synchronizer:
     def _view(self, facts: dict, attempts: int, deadline: float) -> View:
         return View(mine=self.announcer.record(), records=tuple(self.cache.records.values()),
                     now=self.clock.dht_time(), quorum=self.run.quorum, retries=self.config.retries,
+                    group_size=self.run.group_size,
                     attempts=attempts, time_left=deadline - self.clock.monotonic(), stuck=self.stuck,
                     producers=tuple(self.producers()), lookup_failed=self.cache.lookup_failed, **facts)
 
@@ -189,6 +204,10 @@ class Synchronizer:
         if action.do is Do.CATCH_UP:
             found = self.catchup.catch_up(timeout=max(attempt.deadline - self.clock.monotonic(), 1.0))
             return dict(facts, phase=Phase.CAUGHT_UP, caught_up=found.adopted, holders_syncing=None)
+        if action.do is Do.CROSS:
+            return self._cross(action, attempt)
+        if action.do is Do.RECEIVE:
+            return self._receive(action, attempt)
         raise AssertionError(f"unhandled action {action.do}")
 
     def _attempt(self, action: Action, attempt: _Attempt, result: SyncResult) -> dict:
@@ -206,22 +225,79 @@ class Synchronizer:
         mine, size = self.announcer.record(), 1 + attempt.align
         logger.debug(f"epoch {mine.epoch} {mine.state_hash[:6]}: expecting a group of {action.expected}")
         attempt.started = self.clock.monotonic()
-        contribution = Contribution(epoch=mine.epoch, hash=mine.state_hash, tokens=attempt.tokens, align=attempt.align,
-                                    step_seconds=self.step_seconds, missed=self.stuck, voters=action.voters)
+        contribution = self._contribution(action, attempt)
         try:
-            self.transport.prepare(mine.epoch, mine.state_hash, max(2, self.run.quorum), action.expected,
+            self.transport.prepare(mine.epoch, mine.state_hash, max(2, self.run.quorum), action.target,
                                    allreduce_timeout=self.deadlines.allreduce(size),
-                                   part_timeout=self.deadlines.part(size), probe=action.probe)
+                                   part_timeout=self.deadlines.part(size), probe=action.probe, group=action.group)
             self.hooks.at(MATCHMAKING, self.state.epoch)
             contribution = dataclasses.replace(contribution, planned_end=attempt.planned_end())
-            weight = attempt.tokens * self.run.stale_discount ** attempt.missed_rounds
-            attempt.averaged = self.transport.average(contribution, weight,
+            attempt.averaged = self.transport.average(contribution, contribution.weight,
                                                       timeout=attempt.deadline - self.clock.monotonic())
         except Exception as e:  # a failure of ours (peer/averaging/failures.py), a timeout, or anything else
             attempt.detail = first_line(e)
-            return dict(phase=Phase.FAILED, failure=classify(e), expected=action.expected)
+            attempt.group = self._alone(contribution, attempt)  # left with no group in a round of many: across
+            return dict(phase=Phase.FAILED, failure=classify(e), expected=action.expected, groups=action.groups)
         self.deadlines.observe(attempt.averaged.seconds, size=size)
-        return dict(phase=Phase.AVERAGED, gathered=attempt.averaged.gathered)
+        attempt.group, attempt.group_average = attempt.averaged, None
+        return dict(phase=Phase.AVERAGED, gathered=attempt.averaged.gathered, groups=action.groups)
+
+    def _contribution(self, action: Action, attempt: _Attempt) -> Contribution:
+        """What we tell our group (``swarm/metadata.py``); our weight: our tokens, discounted when stale."""
+        mine = self.announcer.record()
+        return Contribution(epoch=mine.epoch, hash=mine.state_hash, tokens=attempt.tokens, align=attempt.align,
+                            step_seconds=self.step_seconds, missed=self.stuck, voters=action.voters,
+                            weight=attempt.tokens * self.run.stale_discount ** attempt.missed_rounds,
+                            groups=action.groups, client=self.announcer.identity.client_mode)
+
+    def _alone(self, contribution: Contribution, attempt: _Attempt) -> Averaged:
+        """A group of one: our own delta, in the buffers, is its average."""
+        attempt.group_average = None
+        return Averaged(gathered={self.announcer.identity.peer_id: contribution}, aligned=attempt.align, seconds=0.0)
+
+    def _cross(self, action: Action, attempt: _Attempt) -> dict:
+        """As our group's delegate: the cross-group all-reduce of our group's average, weighted by its members'."""
+        if attempt.group is None:  # nobody else meets in our group this round
+            attempt.group = self._alone(self._contribution(action, attempt), attempt)
+        mine, size = self.announcer.record(), 1 + attempt.align
+        delegation = Delegation(epoch=mine.epoch, hash=mine.state_hash, align=attempt.align,
+                                members=attempt.group.gathered)
+        self._restore_group_average(attempt)  # a retry starts from our group's average again
+        attempt.crosses, attempt.crossed, attempt.started = attempt.crosses + 1, (mine.epoch, mine.state_hash), \
+            self.clock.monotonic()
+        try:
+            self.transport.prepare(mine.epoch, mine.state_hash, 2, max(2, action.expected),
+                                   allreduce_timeout=self.deadlines.allreduce(size),
+                                   part_timeout=self.deadlines.part(size), probe=(), phase=CROSS)
+            attempt.averaged = self.transport.average(delegation, delegation.weight(),
+                                                      timeout=attempt.deadline - self.clock.monotonic())
+        except Exception as e:
+            attempt.detail = first_line(e)
+            return dict(phase=Phase.CROSSED, failure=classify(e), crosses=attempt.crosses, groups=action.expected,
+                        group=attempt.group.gathered)
+        self.deadlines.observe(attempt.averaged.seconds, size=size)
+        return dict(phase=Phase.CROSSED, gathered=attempt.averaged.gathered, crosses=attempt.crosses)
+
+    def _restore_group_average(self, attempt: _Attempt) -> None:
+        """Keep a copy of our group's average in the buffers the first time, and put it back every other time."""
+        with self.transport.buffers() as tensors:
+            if attempt.group_average is None:
+                attempt.group_average = [t.clone() for t in tensors]
+            else:
+                for tensor, saved in zip(tensors, attempt.group_average):
+                    tensor.copy_(saved)
+
+    def _receive(self, action: Action, attempt: _Attempt) -> dict:
+        """The swarm's average, from our group's delegate and the round's other delegates."""
+        mine = self.announcer.record()
+        try:
+            attempt.averaged = self.transport.receive(action.delegate, mine.epoch, mine.state_hash, attempt.align,
+                                                      timeout=max(attempt.deadline - self.clock.monotonic(), 0.1),
+                                                      part_timeout=self.deadlines.part(1 + attempt.align))
+        except Exception as e:
+            attempt.detail = first_line(e)
+            return dict(phase=Phase.RECEIVED, failure=classify(e))
+        return dict(phase=Phase.RECEIVED, gathered=attempt.averaged.gathered)
 
     # ---- buffers and the outer step ----
     def _fill_buffers(self, align: bool) -> bool:
@@ -262,6 +338,7 @@ class Synchronizer:
             self.state.tokens_total += averaged.group_tokens()
             self.local.set(self.state.params)  # theta <- G (with overlap: plus the steps taken since)
         result.applied, result.aligned, result.offences = True, averaged.aligned, dict(averaged.offences)
+        result.groups = averaged.groups
         result.outcome, result.error = Outcome.APPLIED, None
         result.group, result.group_tokens = tuple(sorted(gathered)), averaged.group_tokens()
         result.next_round_seconds = next_round_seconds(gathered, self.run.round_seconds, self.run.inner_steps)

@@ -9,17 +9,21 @@ in-process fake (``tests/harness/fake.py``).
 from __future__ import annotations
 
 import threading
-from typing import ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple
+import time
+from typing import ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 from hivemind.utils import get_dht_time
 
 from dht.node import reach_out
 from dht.records import PeerRecord, RecordPublisher, fetch_records
-from peer.averaging.averager import SwarmAverager
-from peer.swarm.metadata import Averaged, Contribution
+from peer.averaging.averager import CROSS, GROUP, SwarmAverager
+from peer.averaging.failures import DelegateLost, MinorityGroup, NoMajority
+from peer.averaging.results import GROUP_ONLY, MINORITY, NO_MAJORITY, READY
+from peer.swarm.metadata import Averaged, Contribution, Delegation
 
 Downloaded = Tuple[List[str], Dict, List[torch.Tensor]]  # (donors used, metadata, [G, m])
+CROSS_WINDOW = 2  # the cross-group phase's matchmaking window, in grace windows
 
 
 class Transport(Protocol):
@@ -45,12 +49,26 @@ class Transport(Protocol):
         """The averaged buffers ([delta] or [delta, moment]), held: the averager does not touch them meanwhile."""
 
     def prepare(self, epoch: int, state_hash: str, min_group: int, expected_group: int, allreduce_timeout: float,
-                part_timeout: float, probe: Sequence[str]) -> None:
-        """This attempt's group key, expected group and deadlines (``SwarmAverager.prepare_round``)."""
+                part_timeout: float, probe: Sequence[str], phase: str = GROUP, group: int = -1) -> None:
+        """This attempt's group key, expected group and deadlines (``SwarmAverager.prepare_round``); ``phase``: in
+        our group (``group``: which of a round's groups; -1: one group of all), or across the groups' delegates
+        (``CROSS``)."""
 
-    def average(self, contribution: Contribution, weight: float, timeout: float) -> Averaged:
+    def average(self, contribution: Union[Contribution, Delegation], weight: float, timeout: float) -> Averaged:
         """Matchmaking, then the exact all-reduce of the buffers, in place; raises a ``peer.averaging.failures``
         exception, or TimeoutError after ``timeout`` seconds."""
+
+    def receive(self, delegate: str, epoch: int, state_hash: str, aligned: bool, timeout: float,
+                part_timeout: float) -> Averaged:
+        """The cross-group round's result from its delegates, into the buffers; raises ``MinorityGroup``,
+        ``NoMajority`` or ``DelegateLost``."""
+
+    def give_up_result(self, epoch: int, state_hash: str) -> None:
+        """As a delegate whose sync ends without the round's result: our groupmates stop waiting for it."""
+
+    def conclude_group(self, epoch: int, state_hash: str, group: Averaged) -> None:
+        """As a delegate of a majority group that met no other group's: our groupmates apply our group's average,
+        which they hold already."""
 
     def traffic(self) -> Tuple[int, int]:
         """(bytes sent, bytes received) on the transport so far."""
@@ -64,6 +82,7 @@ class SwarmTransport:
 
     def __init__(self, dht, averager: SwarmAverager, namespace: str, grace_seconds: float):
         self.dht, self.averager, self.namespace, self.grace_seconds = dht, averager, namespace, grace_seconds
+        self.phase = GROUP  # the phase the last ``prepare`` set up
         self.publisher = RecordPublisher(dht, namespace)
         self.answered = self.publisher.answered
 
@@ -87,12 +106,36 @@ class SwarmTransport:
         return self.averager.get_tensors()
 
     def prepare(self, epoch: int, state_hash: str, min_group: int, expected_group: int, allreduce_timeout: float,
-                part_timeout: float, probe: Sequence[str]) -> None:
-        self.averager.prepare_round(epoch, state_hash, min_group, expected_group,
-                                    allreduce_timeout=allreduce_timeout, part_timeout=part_timeout, probe=probe)
+                part_timeout: float, probe: Sequence[str], phase: str = GROUP, group: int = -1) -> None:
+        self.averager.prepare_round(epoch, state_hash, min_group, expected_group, allreduce_timeout=allreduce_timeout,
+                                    part_timeout=part_timeout, probe=probe, phase=phase, group=group)
+        self.phase = phase
 
-    def average(self, contribution: Contribution, weight: float, timeout: float) -> Averaged:
-        grace = self.grace_seconds
+    def receive(self, delegate: str, epoch: int, state_hash: str, aligned: bool, timeout: float,
+                part_timeout: float) -> Averaged:
+        started = time.monotonic()
+        with self.averager.get_tensors() as tensors:
+            numels = [t.numel() for t in tensors[: 2 if aligned else 1]]
+        info = self.averager.download_average(delegate, epoch, state_hash, numels, timeout, part_timeout)
+        status = info.get("status")
+        if status in (READY, GROUP_ONLY):  # (a group-only result is in the buffers already: our group's average)
+            gathered = {peer: Contribution.from_wire(c) for peer, c in info["gathered"].items()}
+            return Averaged(gathered=gathered, aligned=bool(info.get("aligned")), seconds=time.monotonic() - started,
+                            groups=int(info.get("groups", 1)))
+        error = str(info.get("error") or status)
+        raise {MINORITY: MinorityGroup, NO_MAJORITY: NoMajority}.get(status, DelegateLost)(error)
+
+    def give_up_result(self, epoch: int, state_hash: str) -> None:
+        self.averager.give_up_result(epoch, state_hash)
+
+    def conclude_group(self, epoch: int, state_hash: str, group: Averaged) -> None:
+        self.averager.conclude_group(epoch, state_hash, dict(
+            gathered={peer: c.to_wire() for peer, c in group.gathered.items()}, aligned=group.aligned))
+
+    def average(self, contribution: Union[Contribution, Delegation], weight: float, timeout: float) -> Averaged:
+        # the delegates of a round's groups meet as their groups finish: a left-over peer, its own delegate, learns
+        # it is left over only when its group window ends, and must still find the others waiting
+        grace = self.grace_seconds * (CROSS_WINDOW if self.phase == CROSS else 1)
         control = self.averager.step(
             gather=contribution.to_wire(), weight=float(weight), scheduled_time=get_dht_time() + grace,
             timeout=grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False,

@@ -2,6 +2,7 @@
 
 - ``consensus.py``  responsiveness, fork choice, the expected group, voters and the majority rule
 - ``metadata.py``   the typed group metadata every member reads alike (``Contribution``), and ``Averaged``
+- ``grouping.py``   rounds of many groups: how many, each one's delegate, what the delegates merge
 - ``timing.py``     when rounds end: the group's agreed length, the round in progress, the swarm's plans
 - ``deadlines.py``  all-reduce deadlines that follow measured round times
 - ``records.py``    the record cache: the swarm as last read, kept across a failed read

@@ -28,6 +28,9 @@ class Contribution:
     missed: int = 0  # rounds in a row it sat at this state without applying (the majority rule's escape)
     voters: int = 1  # the electorate it counts, itself included (``consensus.voters``)
     planned_end: Optional[float] = None  # overlap: when its round in progress is planned to end (DHT time)
+    weight: float = 0.0  # its weight in the average (tokens, discounted when stale): its group's total is the group's
+    groups: int = 1  # how many groups its sender expects the round to have (1: one group of all; ``swarm/grouping``)
+    client: bool = False  # its sender accepts no connections: it cannot serve the round's result as a delegate
 
     def to_wire(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -41,20 +44,24 @@ class Contribution:
             contribution = cls(epoch=value["epoch"], hash=value["hash"], tokens=value["tokens"],
                                align=value.get("align", False), step_seconds=value.get("step_seconds"),
                                missed=value.get("missed", 0), voters=value.get("voters", 1),
-                               planned_end=value.get("planned_end"))
+                               planned_end=value.get("planned_end"), weight=value.get("weight", 0.0),
+                               groups=value.get("groups", 1), client=value.get("client", False))
         except KeyError as e:
             raise ValueError(f"group metadata lacks {e.args[0]!r}") from None
         contribution.check()
         return contribution
 
     def check(self) -> None:
-        for name in ("epoch", "tokens", "missed", "voters"):
+        for name in ("epoch", "tokens", "missed", "voters", "groups"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"group metadata {name} must be a non-negative integer, got {value!r}")
-        if not isinstance(self.hash, str) or not isinstance(self.align, bool):
-            raise ValueError(f"group metadata hash must be a string and align a bool, got {self.hash!r}, "
-                             f"{self.align!r}")
+        if not isinstance(self.hash, str) or not isinstance(self.align, bool) or not isinstance(self.client, bool):
+            raise ValueError(f"group metadata hash must be a string, align and client bools, got {self.hash!r}, "
+                             f"{self.align!r}, {self.client!r}")
+        if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or \
+                not 0 <= self.weight < float("inf"):
+            raise ValueError(f"group metadata weight must be a finite number >= 0, got {self.weight!r}")
         for name in ("step_seconds", "planned_end"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
@@ -66,6 +73,35 @@ Gathered = Dict[str, Contribution]  # peer id -> its contribution, the same on e
 
 
 @dataclass(frozen=True)
+class Delegation:
+    """A delegate's word in the cross-group phase: its group's gathered contributions, its own included. The
+    cross-group average weighs the group's average by their total weight."""
+
+    epoch: int
+    hash: str
+    align: bool
+    members: Gathered
+
+    def weight(self) -> float:
+        return sum(contribution.weight for contribution in self.members.values())
+
+    def to_wire(self) -> Dict[str, Any]:
+        return dict(epoch=self.epoch, hash=self.hash, align=self.align,
+                    members={peer: c.to_wire() for peer, c in self.members.items()})
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "Delegation":
+        """Parse a delegate's blob; ValueError naming what is wrong with it."""
+        if not isinstance(value, dict) or not isinstance(value.get("members"), dict) or not value["members"]:
+            raise ValueError("a delegation must be a dict with a non-empty dict of members")
+        members = {str(peer): Contribution.from_wire(c) for peer, c in value["members"].items()}
+        epoch, state, align = value.get("epoch"), value.get("hash"), value.get("align")
+        if any((c.epoch, c.hash, c.align) != (epoch, state, align) for c in members.values()):
+            raise ValueError("a delegation's members must hold its epoch, hash and alignment")
+        return cls(epoch=epoch, hash=state, align=align, members=members)
+
+
+@dataclass(frozen=True)
 class Averaged:
     """What a successful all-reduce hands back to the peer: the group's metadata and how the round went."""
 
@@ -73,6 +109,7 @@ class Averaged:
     aligned: bool  # the first moments were averaged too
     seconds: float  # from the group formed to the averages received
     offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
+    groups: int = 1  # the groups whose contributions it merged (a cross-group round: their delegates)
 
     def group_tokens(self) -> int:
         return sum(contribution.tokens for contribution in self.gathered.values())

@@ -60,8 +60,8 @@ Script = Union[BaseException, Callable[["FakeTransport", Contribution, float], A
 
 
 class FakeTransport:
-    def __init__(self, clock: FakeClock, numel: int, with_moment: bool = False):
-        self.clock = clock
+    def __init__(self, clock: FakeClock, numel: int, with_moment: bool = False, peer_id: str = "me"):
+        self.clock, self.peer_id = clock, peer_id
         self.answered = threading.Event()
         self.peers: Dict[str, PeerRecord] = {}  # what a read of the records returns
         self.late = False  # reads time out
@@ -74,6 +74,10 @@ class FakeTransport:
         self.prepared: List[dict] = []
         self.sent: List[Tuple[Contribution, float, torch.Tensor]] = []  # each attempt's word, weight and delta
         self.watched: Tuple[str, ...] = ()
+        self.received: List[str] = []  # the delegates asked for a cross-group result
+        self.given_up: List[Tuple[int, str]] = []
+        self.concluded: List[Tuple[int, str, Tuple[str, ...]]] = []  # majority groups applied on their own
+        self.last_group: Optional[Contribution] = None  # our word in the last group formed
 
     def read_records(self, timeout: float) -> Optional[Dict[str, PeerRecord]]:
         if self.late:
@@ -101,9 +105,10 @@ class FakeTransport:
     def buffers(self):
         yield self.tensors
 
-    def prepare(self, epoch, state_hash, min_group, expected_group, allreduce_timeout, part_timeout, probe) -> None:
+    def prepare(self, epoch, state_hash, min_group, expected_group, allreduce_timeout, part_timeout, probe,
+                phase="group", group=-1) -> None:
         self.prepared.append(dict(epoch=epoch, hash=state_hash, min_group=min_group, expected=expected_group,
-                                  probe=tuple(probe)))
+                                  probe=tuple(probe), phase=phase, group=group))
 
     def average(self, contribution: Contribution, weight: float, timeout: float) -> Averaged:
         self.sent.append((contribution, weight, self.tensors[0].clone()))
@@ -111,6 +116,19 @@ class FakeTransport:
         if isinstance(script, BaseException):
             raise script
         return script(self, contribution, weight)
+
+    def receive(self, delegate, epoch, state_hash, aligned, timeout, part_timeout) -> Averaged:
+        self.received.append(delegate)
+        script = self.scripts.popleft()
+        if isinstance(script, BaseException):
+            raise script
+        return script(self, None, 0.0)
+
+    def give_up_result(self, epoch, state_hash) -> None:
+        self.given_up.append((epoch, state_hash))
+
+    def conclude_group(self, epoch, state_hash, group) -> None:
+        self.concluded.append((epoch, state_hash, tuple(sorted(group.gathered))))
 
     def traffic(self) -> Tuple[int, int]:
         return 0, 0
@@ -131,17 +149,33 @@ def record(peer_id: str, epoch: int, state: str, tokens: int, **fields) -> PeerR
                       **fields)
 
 
+def across(members: Sequence[str], tokens: int = 100, average: Optional[torch.Tensor] = None) -> Script:
+    """A cross-group all-reduce (or a delegate's answer) that merged ``members`` (besides our group) and leaves
+    ``average`` (default: our buffer as it is) in the buffers."""
+
+    def run(transport: FakeTransport, mine, weight: float) -> Averaged:
+        group = dict(mine.members) if mine is not None else {transport.peer_id: transport.last_group}
+        template = next(iter(group.values()))
+        merged = dict(group, **{peer: dataclasses.replace(template, tokens=tokens) for peer in members})
+        if average is not None:
+            transport.tensors[0].copy_(average)
+        return Averaged(gathered=merged, aligned=False, seconds=1.0, groups=2)
+
+    return run
+
+
 def with_group(*others: Tuple[str, Contribution], average: Optional[torch.Tensor] = None) -> Script:
     """An attempt that forms a group with ``others`` (peer id, its contribution) and leaves ``average`` (default:
     the weighted mean of our delta and zeros from the others, by tokens) in the buffers, as the all-reduce would."""
 
     def run(transport: FakeTransport, mine: Contribution, weight: float) -> Averaged:
-        gathered = {"me": mine, **dict(others)}
+        gathered = {transport.peer_id: mine, **dict(others)}
         delta = transport.tensors[0]
         if average is not None:
             delta.copy_(average)
         else:
             delta.mul_(weight / (weight + sum(c.tokens for _, c in others)))
+        transport.last_group = mine
         return Averaged(gathered=gathered, aligned=mine.align, seconds=1.0)
 
     return run
@@ -161,7 +195,7 @@ class FakePeer:
         self.trainer = SimpleNamespace(params=self.params, step_lock=threading.Lock(), touch=lambda: None)
         self.layout = FlatLayout(self.params)
         self.state = GlobalState(params=g.clone(), momentum=torch.zeros(numel), epoch=4, tokens_total=1000)
-        self.transport = FakeTransport(self.clock, numel, with_moment=bool(self.run.align_every))
+        self.transport = FakeTransport(self.clock, numel, with_moment=bool(self.run.align_every), peer_id=peer_id)
         self.cache, self.local = RecordCache(peer_id), LocalModel(self.trainer, self.layout)
         self.announcer = Announcer(self.transport, Identity(peer_id, MANIFEST, False), self.state)
         wire = get_codec(codec)

@@ -1,0 +1,197 @@
+"""A cross-group round's result, served by its delegates to their groupmates (``peer/swarm/grouping.py``, phase 3).
+
+A delegate keeps what its cross-group all-reduce ended with: the encoded averaged parts, in order, exactly the bytes
+every delegate decoded, and the round's merged contributions. A groupmate asks any delegate of the round for the
+result's status, waits while it is pending, then takes its parts from every delegate at once, a slice from each in
+turn, and decodes them as the delegates did: the same bytes, the same codec, the same fp32 values. A delegate that
+fails or stalls is dropped and its slices taken from the others.
+
+``RoundResults`` is a mixin of ``SwarmAverager``: it runs in the averager process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
+
+import torch
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
+
+from dht import internals
+from peer.averaging.allreduce import CodecCompression
+
+logger = logging.getLogger(__name__)
+
+PENDING, READY, MINORITY, NO_MAJORITY, FAILED = "pending", "ready", "minority", "no_majority", "failed"
+GROUP_ONLY = "group"  # a majority group whose delegate met no other group's: apply the group's own average
+KEPT_ROUNDS = 4  # results a delegate keeps serving: its last few rounds
+POLL_SECONDS = 0.25  # how often a groupmate asks again while the result is pending
+PARTS_PER_SLICE = 8  # parts a groupmate asks a delegate for at once
+
+
+def result_key(epoch: int, state_hash: str) -> str:
+    return f"{epoch}:{state_hash}"
+
+
+def decode_parts(compression: CodecCompression, parts: Sequence[runtime_pb2.Tensor], numel: int) -> torch.Tensor:
+    """The parts' values laid end to end, decoded as the delegates decoded them; ValueError if they do not hold
+    exactly ``numel`` values (checked before each part is allocated)."""
+    values, total = [], 0
+    for part in parts:
+        shape = torch.Size(part.size)
+        total += shape.numel()
+        if total > numel:
+            raise ValueError(f"the result holds more than the {numel} values expected")
+        values.append(compression.extract_expected(part, shape).reshape(-1))
+    if total != numel:
+        raise ValueError(f"the result holds {total} values, expected {numel}")
+    return torch.cat(values)
+
+
+@dataclass
+class Served:
+    status: str = PENDING
+    parts: List[runtime_pb2.Tensor] = field(default_factory=list)  # encoded averaged parts, in order
+    info: Dict[str, Any] = field(default_factory=dict)  # gathered (wire), aligned, delegates
+
+
+class RoundResults:
+    """Serves our cross-group rounds' results (``rpc_download_average``) and downloads one from its delegates."""
+
+    _served: "OrderedDict[str, Served]"
+
+    def _result(self, key: str) -> Served:
+        if not hasattr(self, "_served"):
+            self._served = OrderedDict()
+        if key not in self._served:
+            self._served[key] = Served()
+            while len(self._served) > KEPT_ROUNDS:
+                self._served.popitem(last=False)
+        return self._served[key]
+
+    def _conclude(self, key: str, status: str, parts: Sequence[runtime_pb2.Tensor] = (),
+                  info: Optional[Dict[str, Any]] = None) -> None:
+        served = self._result(key)
+        served.status, served.parts, served.info = status, list(parts), dict(info or {})
+
+    def give_up_result(self, epoch: int, state_hash: str) -> None:
+        """Main process: this delegate's sync ended without the round's result; its groupmates stop waiting."""
+        internals.call_in_averager(self, "_give_up", key=result_key(epoch, state_hash))
+
+    async def _give_up(self, key: str) -> None:  # the averager's pipe runs coroutines only
+        if self._result(key).status != READY:
+            self._conclude(key, FAILED)
+
+    def conclude_group(self, epoch: int, state_hash: str, info: Dict[str, Any]) -> None:
+        """Main process: as a majority group's delegate that met no other group's, we apply our group's average
+        (``info``: its gathered contributions and alignment); our groupmates do too (they hold it already)."""
+        internals.call_in_averager(self, "_conclude_group", key=result_key(epoch, state_hash), info=info)
+
+    async def _conclude_group(self, key: str, info: Dict[str, Any]) -> None:
+        self._conclude(key, GROUP_ONLY, info=info)
+
+    async def rpc_download_average(self, request: averaging_pb2.DownloadData, _context: P2PContext
+                                   ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """The first message says the result's status (and, once ready, what it merged); then the encoded parts
+        [start, end) follow, each in a message of its own."""
+        try:
+            wanted = self.serializer.loads(request.metadata)
+            key, start, end = str(wanted["key"]), int(wanted["start"]), int(wanted["end"])
+        except Exception:
+            return
+        served = self._served.get(key) if hasattr(self, "_served") else None
+        status = served.status if served is not None else PENDING
+        info = dict(served.info, parts=len(served.parts)) if status in (READY, GROUP_ONLY) else {}
+        yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(info, status=status)))
+        if status == READY:
+            for part in served.parts[max(start, 0):min(end, len(served.parts))]:
+                yield averaging_pb2.DownloadData(tensor_part=part)
+
+    def download_average(self, delegate: str, epoch: int, state_hash: str, numels: Sequence[int], timeout: float,
+                         part_timeout: float) -> Dict[str, Any]:
+        """Main process: wait for the round's result at ``delegate``, take its parts from every delegate of the round,
+        and write the decoded average into our averaged tensors. Returns the result's info and ``status``."""
+        future = MPFuture()
+        internals.call_in_averager(self, "_download_average", delegate=delegate, key=result_key(epoch, state_hash),
+                                   numels=list(numels), timeout=timeout, part_timeout=part_timeout, future=future)
+        try:
+            return future.result(timeout=timeout + 10)
+        except TimeoutError:
+            future.cancel()
+            return dict(status=FAILED, error="the averager process did not answer")
+
+    async def _download_average(self, delegate: str, key: str, numels: List[int], timeout: float,
+                                part_timeout: float, future: MPFuture) -> None:
+        try:
+            result = await asyncio.wait_for(self._fetch_average(delegate, key, numels, part_timeout), timeout)
+        except asyncio.TimeoutError:
+            result = dict(status=FAILED, error=f"no result from the delegate within {timeout:.1f}s")
+        except Exception as e:
+            result = dict(status=FAILED, error=f"the result's download failed: {e!r}")
+        if not future.done():
+            future.set_result(result)
+
+    async def _fetch_average(self, delegate: str, key: str, numels: List[int], part_timeout: float
+                             ) -> Dict[str, Any]:
+        while True:  # the delegate's cross-group all-reduce may still be running
+            info, _ = await self._ask(delegate, key, 0, 0, part_timeout)
+            if info.get("status") != PENDING:
+                break
+            await asyncio.sleep(POLL_SECONDS)
+        if info.get("status") != READY:
+            return info
+        parts = await self._striped(list(info.get("delegates") or [delegate]), key, int(info["parts"]), part_timeout)
+        values = decode_parts(CodecCompression(self.codec), parts, sum(numels))
+        async with enter_asynchronously(self.get_tensors()) as tensors:
+            for tensor, piece in zip(tensors, values.split(list(numels))):
+                tensor.copy_(piece.view_as(tensor))
+        return info
+
+    async def _striped(self, delegates: List[str], key: str, count: int, part_timeout: float
+                       ) -> List[runtime_pb2.Tensor]:
+        starts = range(0, count, PARTS_PER_SLICE)
+        slices, parts, changed = deque(starts), {}, asyncio.Event()
+
+        async def worker(donor: str) -> None:
+            while len(parts) < len(starts):
+                if not slices:
+                    changed.clear()
+                    await changed.wait()
+                    continue
+                start = slices.popleft()
+                try:
+                    _, got = await self._ask(donor, key, start, min(start + PARTS_PER_SLICE, count), part_timeout)
+                    if len(got) != min(PARTS_PER_SLICE, count - start):
+                        raise ValueError(f"{donor} sent {len(got)} parts")
+                except Exception as e:
+                    slices.appendleft(start)
+                    changed.set()
+                    logger.info(f"result download from {donor} failed ({e!r}); taking its parts from the others")
+                    return
+                parts[start] = got
+                changed.set()
+
+        await asyncio.gather(*(worker(donor) for donor in delegates))
+        if len(parts) < len(starts):
+            raise ValueError("no delegate served every part of the result")
+        return [part for start in sorted(parts) for part in parts[start]]
+
+    async def _ask(self, donor: str, key: str, start: int, end: int, part_timeout: float):
+        stub = self.get_stub(internals.averager_p2p(self), PeerID.from_base58(donor), namespace=self.prefix)
+        request = averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(key=key, start=start, end=end)))
+        stream = await stub.rpc_download_average(request)
+        info, parts = None, []
+        async for message in aiter_with_timeout(stream, timeout=part_timeout):
+            if info is None:
+                info = self.serializer.loads(message.metadata)
+            else:
+                parts.append(message.tensor_part)
+        if not isinstance(info, dict):
+            raise ValueError(f"{donor} sent no status")
+        return info, parts

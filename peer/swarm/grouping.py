@@ -1,0 +1,70 @@
+"""Rounds for a swarm larger than one group: how many groups, who speaks for each, and what they add up to.
+
+A swarm of fewer than twice ``--group-size`` peers at one state meets in one group, as a small swarm always has. A
+larger one meets in about ``expected / group_size`` groups (``plan``): every peer computes, from the records it read,
+which group each expected peer meets in, and meets its own under a matchmaking key of that group's, expecting its
+members, so a group closes as soon as they have all joined. Each group then runs three phases (docs/design.md,
+"Rounds of many groups"):
+
+1. an exact all-reduce inside the group: every member holds the group's average, bit-identical;
+2. the group's delegate (``delegate``) meets the other groups' delegates in one cross-group exact all-reduce of the
+   groups' averages, weighted by each group's total weight: every delegate holds the swarm's average;
+3. every other member downloads that average from the delegates, the very bytes they decoded.
+
+Every peer that applies the round then decodes the same bytes and takes the same outer step: one state hash.
+A group that is a majority of the peers at its state applies after phase 1, as one group always has.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, Iterable, List, Tuple
+
+from peer.swarm.metadata import Delegation, Gathered
+
+
+def group_count(expected: int, group_size: int) -> int:
+    """How many groups ``expected`` peers at one state meet in: ``expected / group_size`` of them, so about
+    ``group_size`` peers each (0: one group of all); one group up to twice that many."""
+    return max(1, expected // group_size) if group_size else 1
+
+
+def group_of(peer_id: str, epoch: int, count: int) -> int:
+    """Which of ``count`` groups a peer meets in this epoch: a hash of its id and the epoch, so that every peer that
+    reads the same records puts every peer in the same group, a peer two others disagree about (a dead one, a
+    joiner) changes only its own group, and the groups mix from one epoch to the next."""
+    digest = hashlib.sha256(f"group:{epoch}:{peer_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") % count
+
+
+def plan(expected: Iterable[str], me: str, epoch: int, group_size: int) -> Tuple[int, int, List[str], int]:
+    """(our group, its expected size, its other expected members, the groups the round has) for the peers expected
+    at our state, us included. With one group: (0, all of them, the others, 1)."""
+    peers = sorted(set(expected) | {me})
+    count = group_count(len(peers), group_size)
+    if count == 1:
+        return 0, len(peers), [p for p in peers if p != me], 1
+    groups = [group_of(peer, epoch, count) for peer in peers]
+    ours = group_of(me, epoch, count)
+    mates = [peer for peer, group in zip(peers, groups) if group == ours and peer != me]
+    return ours, 1 + len(mates), mates, len(set(groups))
+
+
+def delegate(gathered: Gathered, epoch: int) -> str:
+    """The member that speaks for its group in the cross-group phase: among those that accept connections (they
+    serve the result to the others), the one whose id hashes lowest with the epoch, so the duty moves from round to
+    round. Every member computes the same one from the same gathered data. A group of clients elects a client, which
+    serves nobody: its groupmates find the new state by catching up."""
+    servers = [peer for peer, contribution in gathered.items() if not contribution.client] or list(gathered)
+    return min(servers, key=lambda peer: hashlib.sha256(f"{epoch}:{peer}".encode()).hexdigest())
+
+
+def union(delegations: Iterable[Delegation]) -> Gathered:
+    """Every contribution the cross-group phase merges: the groups' members, each once."""
+    merged: Dict[str, object] = {}
+    for delegation in delegations:
+        for peer, contribution in delegation.members.items():
+            if peer in merged:
+                raise ValueError(f"peer {peer} is a member of two delegations")
+            merged[peer] = contribution
+    return merged
