@@ -14,9 +14,9 @@ from compression import get_codec
 from dht.node import LOOPBACK, DHTConfig, start_dht
 from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.averager import SwarmAverager
-from peer.averaging.failures import GroupLostMember
 from peer.hooks import Hooks
 from peer.outer.state import state_hash
+from peer.swarm.failures import GroupLostMember
 
 pytestmark = pytest.mark.slow
 SIZE = 200_003

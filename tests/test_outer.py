@@ -86,6 +86,6 @@ def test_merge_contributors_keeps_the_newest():
     merged = merge_contributors({}, ["a", "b"], epoch=0)
     merged = merge_contributors(merged, ["a"], epoch=1)
     assert merged == {"a": 1, "b": 0}
-    many = merge_contributors({}, [f"p{i}" for i in range(300)], epoch=0)
+    many = merge_contributors({}, [f"p{i}" for i in range(outer.MERGED_HISTORY + 44)], epoch=0)
     many = merge_contributors(many, ["new"], epoch=1)
     assert len(many) == outer.MERGED_HISTORY and many["new"] == 1

@@ -39,7 +39,9 @@ def test_three_peers_agree_learn_and_admit_a_joiner(swarm):
     table = by_epoch(peers)
     full_rounds = [epoch for epoch, records in table.items()
                    if len(records) == 3 and len({r["state_hash"] for r in records.values()}) == 1]
-    assert len(full_rounds) >= 5, f"fewer than 5 rounds in which all 3 peers agreed: {sorted(full_rounds)}"
+    assert len(full_rounds) >= 5, f"fewer than 5 rounds in which all 3 peers agreed: {sorted(full_rounds)}; " \
+        + "; ".join(f"{p.name}: " + " ".join(f"{r['epoch']}{'+' if r['applied'] else '-'}{r.get('outcome', '')}"
+                                            for r in p.metrics) for p in peers + [joiner])
     assert_loss_fell(peers)
 
     # the joiner downloaded the swarm's state, so its first outer step lands on the swarm's next hash,
@@ -214,7 +216,8 @@ def test_quantized_rounds_shrink_the_wire_and_keep_states_identical(swarm):
 
 def test_a_swarm_larger_than_its_group_size_meets_in_groups_and_ends_each_round_on_one_state(swarm):
     """5 peers in groups of at least 2: two groups a round, whose delegates average across groups and serve the
-    result to their groupmates. Every round merges all five, and every peer that applies it holds one hash."""
+    result to their groupmates. Every round merges all five but a peer that missed its group (which keeps its work
+    for the next round), and every peer that applies it holds one hash."""
     peers = [swarm.peer(f"p{i}", "--group-size", "2") for i in range(5)]
     wait_until(lambda: all(p.reached(lambda m: sum(r["applied"] and r["groups"] >= 2 for r in m) >= 4)
                            for p in peers), 240, "every peer to apply 4 rounds merged across 2 groups")
@@ -224,7 +227,18 @@ def test_a_swarm_larger_than_its_group_size_meets_in_groups_and_ends_each_round_
         assert peer.wait(60) == 0, peer.stderr[-3000:]
     assert assert_groups_agree(peers) >= 4 * 5 * 4
     merged = [r for p in peers for r in p.metrics if r["applied"] and r["groups"] >= 2]
-    assert all(r["group_size"] == 5 for r in merged), [(r["epoch"], r["group_size"]) for r in merged]
+    ids = {p.metrics[0]["peer_id"]: p for p in peers}
+    for record in merged:
+        for missing in set(ids) - set(record["group"]):
+            # it was still starting or downloading the state, or its sync of that round ended at the epoch before
+            # (no group) or after it (it caught up): it keeps its work for the next round
+            theirs = {r["outcome"] for r in ids[missing].metrics if 0 <= record["epoch"] - r["epoch"] <= 1}
+            starting = ids[missing].metrics[0]["epoch"] > record["epoch"]
+            assert starting or theirs & {"missed_group", "no_group", "caught_up"}, \
+                f"{ids[missing].name} left out of epoch {record['epoch']}: " \
+                + " ".join(f"{r['epoch']}:{r['outcome']}" for r in ids[missing].metrics)
+    sizes = [(r["epoch"], r["group_size"]) for r in merged]
+    assert sum(size == 5 for _, size in sizes) >= len(sizes) // 2, sizes
     for epoch, records in by_epoch(peers).items():
         assert len({r["state_hash"] for r in records.values()}) == 1, f"epoch {epoch} holds two states"
     assert_loss_fell(peers)

@@ -6,16 +6,18 @@ hash, what was sent and how often, and the lineage bookkeeping. Milliseconds eac
 """
 
 import dataclasses
+import threading
 
 import torch
 
-from peer.averaging.failures import DelegateLost, GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.config import RunConfig
 from peer.outer.nesterov import nesterov_step
 from peer.round.decide import Outcome
+from peer.round.schedule import RoundClock
 from peer.swarm.consensus import MAX_MISSED, SYNCING
+from peer.swarm.failures import DelegateLost, GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.metadata import Contribution
-from tests.harness.fake import FakePeer, across, record, with_group
+from tests.harness.fake import FakeClock, FakePeer, across, record, with_group
 
 
 def stepped(peer, delta):
@@ -92,6 +94,31 @@ def test_a_lost_member_is_retried_from_the_untouched_tensors_and_then_applies():
     first, second = peer.transport.sent[0][2], peer.transport.sent[1][2]
     assert torch.equal(first, second)  # the retry sent the same delta: the failed attempt changed nothing
     assert not torch.equal(peer.state.params, before)
+
+
+def test_the_first_attempt_meets_at_the_planned_end_and_a_retry_at_once():
+    # an early peer (it stopped before a step that would end after the planned end) waits for its group from then
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.extend([GroupLostMember("sender #1 failed"), with_group(("a", theirs(peer)))])
+    planned = peer.clock.now + 4.0
+    budget = peer.synchronizer.round_budget()
+    result = peer.sync(budget=budget, meet_at=planned)
+    assert result.applied and [p["meet_at"] for p in peer.transport.prepared] == [planned, None]
+
+
+def test_the_round_ends_before_a_step_that_would_end_after_its_planned_end():
+    clock = FakeClock()
+    round_clock = RoundClock(RunConfig().resolved(), None, None, None, threading.Event(), clock, lambda _: None)
+    round_clock.began, round_clock.deadline = clock.now, clock.now + 10.0
+    clock.sleep(3.0)  # one step of 3 s: the pace before any is known
+    assert not round_clock.over(1)  # a second ends at 6, a third at 9
+    clock.sleep(6.0)
+    assert round_clock.over(3)  # a fourth would end at 12: we are 1 s early, not 2 s late
+    round_clock.step_seconds = 0.5  # a known pace wins over this round's
+    assert not round_clock.over(3)
+    assert not round_clock.over(0) and not RoundClock(RunConfig(), None, None, None, None, clock, None).over(5)
 
 
 def test_lost_members_until_the_retries_run_out_leave_the_state_alone():
@@ -398,6 +425,19 @@ def test_a_member_whose_delegate_is_lost_finds_the_state_it_applied_or_waits_a_r
     assert torch.equal(quiet.theta, theta)  # our work stays, for the next round
 
 
+def test_a_result_that_did_not_merge_our_delta_is_not_applied():
+    # our delegate's side of our group's all-reduce failed; it met a later group of its own and crossed for that
+    peer = many("me")
+    peer.train()
+    theta = peer.theta
+    peer.transport.scripts.extend([with_group(("h1", groupmate(peer))),
+                                   across(["h1", "h2", "h3", "h4", "h5"], average=torch.full((8,), 0.003),
+                                          without="me")])
+    result = peer.sync()
+    assert result.outcome is Outcome.DELEGATE_LOST and not result.applied
+    assert "did not merge our delta" in result.error and torch.equal(peer.theta, theta)
+
+
 def test_a_cross_group_retry_starts_from_the_groups_average_and_a_delegate_that_gives_up_says_so():
     peer = many("d")
     peer.train()
@@ -434,11 +474,12 @@ def test_a_majority_group_whose_delegate_meets_no_other_applies_on_its_own():
     assert peer.transport.concluded == [(4, peer.transport.prepared[0]["hash"], ("d", "h1", "h2", "h3"))]
 
 
-def test_a_peer_left_without_a_group_is_its_own_delegate():
+def test_a_peer_left_over_when_the_groups_filled_keeps_its_work_for_the_next_round():
+    # across, it would take a planned group's place: the cross-group round closes at the planned count of groups
     peer = many("me")
-    delta = peer.train()
-    peer.transport.scripts.extend([NoGroup("could not find a group"), across(["h1", "h2", "h3", "h4", "h5"])])
+    peer.train()
+    theta = peer.theta
+    peer.transport.scripts.extend([NoGroup("could not find a group")])
     result = peer.sync()
-    delegation, weight, sent = peer.transport.sent[1]
-    assert result.applied and set(delegation.members) == {"me"} and weight == 100.0
-    assert torch.allclose(sent, delta)  # its own pseudo-gradient is its group's average
+    assert not result.applied and [p["phase"] for p in peer.transport.prepared] == ["group"]
+    assert result.outcome is Outcome.NO_GROUP and torch.equal(peer.theta, theta)

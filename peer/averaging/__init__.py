@@ -7,5 +7,4 @@
 - ``liveness.py``   whether an expected peer can be reached now (dials refused or in backoff), and the probe
 - ``sharing.py``    state sharing: snapshots served by slice, striped downloads from several donors
 - ``results.py``    a cross-group round's result, served by its delegates to their groupmates
-- ``failures.py``   one exception type per way an attempt fails (what the round decides on)
 """

@@ -6,7 +6,7 @@ What it adds to hivemind's averager:
   and tells the leader how many peers to expect, so a complete group forms without waiting the
   whole grace window; an expected peer that cannot be reached (``liveness``) is no longer waited for;
 - once a group forms, every member reads the same gathered contributions (``peer/swarm/metadata.py``) and
-  refuses alike to average in a minority group (``consensus.minority``), before any tensor is sent;
+  refuses alike to average in a minority group (``grouping.admit``), before any tensor is sent;
 - the all-reduce is ``ExactAllReduceRunner`` (members end bit-identical or the round fails), and it
   averages the inner first moment too on alignment rounds;
 - every failure reaches the peer as one exception type per outcome (``failures.py``);
@@ -34,13 +34,12 @@ from dht import internals
 from dht.node import init_child_process
 from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.bans import Bans
-from peer.averaging.failures import GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.averaging.liveness import stop_waiting_for_the_gone
 from peer.averaging.results import MINORITY, NO_MAJORITY, READY, RoundResults, result_key
 from peer.averaging.sharing import StateProvider, StateSharing
 from peer.hooks import Hooks
-from peer.swarm.consensus import majority_elsewhere, minority
-from peer.swarm.grouping import union
+from peer.swarm.failures import GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
+from peer.swarm.grouping import admit
 from peer.swarm.metadata import Averaged, Contribution, Delegation, Gathered
 
 GROUP, CROSS = "group", "cross"  # a round's phases that average: inside a group, and across groups' delegates
@@ -166,10 +165,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> Averaged:
         """Run the exact all-reduce in a formed group, unless the group may not apply the round."""
         bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
-        if self.round_phase == CROSS:
-            gathered = self._read_delegations(group_info.peer_ids, user_bytes)
-        else:
-            gathered = self._read_gathered(group_info.peer_ids, user_bytes)
+        gathered = self._read_gathered(group_info.peer_ids, user_bytes)
         count = 2 if (next(iter(gathered.values())).align and self.has_moment) else 1
         modes = tuple(map(AveragingMode, mode_ids))
         size = sum(t.numel() for t in internals.averaged_tensors(self)[:count])
@@ -209,44 +205,21 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
                         groups=len(group_info.peer_ids) if self.round_phase == CROSS else 1)
 
     def _read_gathered(self, peer_ids: Sequence[Any], user_bytes: Sequence[bytes]) -> Gathered:
-        """Every member's contribution, and the consensus gate: every member finds the same, from the same
-        gathered data, so either all of them send or none does."""
+        """Every member's word (a contribution; a delegation in the cross-group phase), and ``grouping.admit``'s
+        checks over them. A cross-group round's groupmates learn a minority verdict from their delegate."""
+        cross = self.round_phase == CROSS
+        parse = Delegation.from_wire if cross else Contribution.from_wire
         try:
-            gathered = {peer.to_base58(): Contribution.from_wire(self.serializer.loads(data))
-                        for peer, data in zip(peer_ids, user_bytes)}
+            words = {peer.to_base58(): parse(self.serializer.loads(data)) for peer, data in zip(peer_ids, user_bytes)}
         except ValueError as e:
             raise GroupLostMember(f"a member sent malformed group metadata: {e}") from None
-        if len({contribution.align for contribution in gathered.values()}) != 1:
-            raise GroupLostMember("group members disagree on momentum alignment")
-        if all(contribution.groups == 1 for contribution in gathered.values()):  # one group of all: the gate
-            self._gate(gathered)  # (in a round of many groups, the cross-group phase gates)
-        return gathered
-
-    def _read_delegations(self, peer_ids: Sequence[Any], user_bytes: Sequence[bytes]) -> Gathered:
-        """The cross-group phase: every delegate's group, merged, and the same gate over all of them."""
         try:
-            delegations = {peer.to_base58(): Delegation.from_wire(self.serializer.loads(data))
-                           for peer, data in zip(peer_ids, user_bytes)}
-            if any(peer not in delegation.members for peer, delegation in delegations.items()):
-                raise ValueError("a delegate is not a member of its own group")
-            gathered = union(delegations.values())
-        except ValueError as e:
-            raise GroupLostMember(f"a delegate sent a malformed delegation: {e}") from None
-        if len({delegation.align for delegation in delegations.values()}) != 1:
-            raise GroupLostMember("delegates disagree on momentum alignment")
-        self._gate(gathered)
-        return gathered
-
-    def _gate(self, gathered: Gathered) -> None:
-        """The majority rule (``consensus.minority``): every member decides alike from the same gathered data, so
-        either all send or none does. A cross-group round's groupmates learn the verdict from their delegate."""
-        why_not = minority(gathered)
-        if why_not is None:
-            return
-        elsewhere = majority_elsewhere(gathered)
-        if self.round_phase == CROSS:
-            self._conclude(self.round_key, MINORITY if elsewhere else NO_MAJORITY, info=dict(error=why_not))
-        raise (MinorityGroup if elsewhere else NoMajority)(why_not)
+            return admit(words, cross)
+        except MinorityGroup as e:
+            if cross:
+                self._conclude(self.round_key, NO_MAJORITY if isinstance(e, NoMajority) else MINORITY,
+                               info=dict(error=str(e)))
+            raise
 
     def _failure(self, error: Exception, runner: Optional[ExactAllReduceRunner]) -> GroupLostMember:
         if isinstance(error, TimeoutError):

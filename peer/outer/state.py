@@ -11,7 +11,7 @@ from typing import Dict, Iterable
 import numpy as np
 import torch
 
-MERGED_HISTORY = 256  # peers remembered in GlobalState.merged
+MERGED_HISTORY = 4096  # peers remembered in GlobalState.merged (a round of many groups counts its producers)
 
 
 @dataclass

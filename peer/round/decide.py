@@ -63,7 +63,7 @@ class Phase(enum.Enum):
 
 
 class Failure(enum.Enum):
-    """How an averaging attempt failed, from the exception's type (``peer/averaging/failures.py``)."""
+    """How an averaging attempt failed, from the exception's type (``peer/swarm/failures.py``)."""
 
     NO_GROUP = "no_group"  # matchmaking formed no group
     MINORITY = "minority"  # the group is a minority of the peers at our state; a majority elsewhere may apply
@@ -191,7 +191,7 @@ def _ready(view: View) -> Action:
     expected = 1 + len(holders) + len(joiners)
     if expected > 1:
         group, size, mates, groups = plan([r.peer_id for r in holders + joiners], view.mine.peer_id,
-                                          view.mine.epoch, view.group_size)
+                                          view.mine.epoch, view.group_size, producers=len(view.producers))
         if size == 1:  # nobody else meets in our group this round: we are its delegate at once
             return Action(Do.CROSS, expected=groups)
         # a holder killed just now still has a fresh record: the averager asks the network whether it is gone
@@ -234,8 +234,6 @@ def _failed(view: View) -> Action:
         return Action(Do.SETTLE, Outcome.LOST_MEMBER)
     if failure is Failure.LOST_MEMBER:
         return _next(view, Outcome.LOST_MEMBER)
-    if view.groups > 1 and not view.crosses:  # left over when the others' groups filled: a group of one goes across
-        return Action(Do.CROSS, expected=view.groups)
     return Action(Do.CATCH_UP)  # no group: did the swarm move on without us?
 
 

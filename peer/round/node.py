@@ -137,12 +137,14 @@ class Peer:
         step_seconds = clock.step_seconds or stats.compute_seconds / stats.steps
         job = InFlight(stats, progress.pending_tokens, progress.pending_rounds)
         budget = job.budget = synchronizer.round_budget()
+        meet_at = clock.target  # the round that just ended: its planned end, when its group meets
 
         def sync() -> SyncResult:
             if overlap:  # the next round's plan first: this sync shares it with the group
                 clock.planned.wait(timeout=10.0)
             result = synchronizer.sync(job.tokens, budget, missed_rounds=job.rounds - 1, step_seconds=step_seconds,
-                                       planned_end=(lambda: clock.target) if overlap else (lambda: None))
+                                       planned_end=(lambda: clock.target) if overlap else (lambda: None),
+                                       meet_at=meet_at)
             if overlap and not result.applied:
                 # the round in progress was planned before this sync caught up (or found no group): line its
                 # end up with the swarm's, or we reach the next sync out of step with everyone again

@@ -38,6 +38,7 @@ class RoundClock:
         self.step_seconds: Optional[float] = None  # EMA of this peer's seconds per inner step
         self.agreed_end: Optional[float] = None  # DHT time at which the group agreed the next round ends
         self.deadline: Optional[float] = None  # monotonic time the current inner phase ends, if any
+        self.began = 0.0  # monotonic time the current inner phase began
         self.target: Optional[float] = None  # the same in DHT time (what we tell our group with overlap)
         self.aligned = False
         self.rebased = False
@@ -59,13 +60,21 @@ class RoundClock:
             target = self._target_from_records(now)
         self.publish(target if target is not None else self._own_plan(now))
         self._set_deadline(target, now)
+        self.began = self.clock.monotonic()
         self.planned.set()
         if target is None:
             return self.run.inner_steps
         return 10**9 if self.run.round_seconds else 2 * self.run.inner_steps
 
     def over(self, steps_done: int) -> bool:
-        return steps_done > 0 and self.deadline is not None and self.clock.monotonic() >= self.deadline
+        """Stop before a step that would end after the round's planned end: a peer reaches its group's matchmaking
+        early by at most one of its steps, never late by one, however slow its steps are (the window waits for the
+        planned end: ``Synchronizer.sync``'s ``meet_at``)."""
+        if steps_done == 0 or self.deadline is None:
+            return False
+        now = self.clock.monotonic()
+        pace = self.step_seconds or (now - self.began) / steps_done
+        return now + pace > self.deadline
 
     def watch(self) -> None:
         """Called between inner steps: an unaligned peer looks for the swarm's schedule and catches up; so does an

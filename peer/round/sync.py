@@ -26,7 +26,6 @@ import torch
 from compression.feedback import ErrorFeedback
 from dht.errors import first_line
 from peer.averaging.averager import CROSS
-from peer.averaging.failures import DelegateLost, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import MATCHMAKING, Hooks
 from peer.outer.lineage import Lineage
@@ -38,6 +37,7 @@ from peer.round.decide import Action, Do, Failure, Outcome, Phase, View, decide,
 from peer.swarm.clock import Clock
 from peer.swarm.consensus import SYNCING, responsive
 from peer.swarm.deadlines import Deadlines
+from peer.swarm.failures import DelegateLost, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.metadata import Averaged, Contribution, Delegation
 from peer.swarm.records import RecordCache
 from peer.swarm.timing import next_round_seconds, round_end
@@ -88,6 +88,7 @@ class _Attempt:
     missed_rounds: int  # rounds in a row our work went unmerged: it weighs tokens x stale_discount^missed_rounds
     deadline: float  # monotonic
     planned_end: Callable[[], Optional[float]]
+    meet_at: Optional[float] = None  # DHT time our group planned to meet: the first attempt's windows run from it
     recovered: int = 0  # carried tokens this sync took from the lineage
     align: bool = False
     started: float = 0.0
@@ -96,6 +97,7 @@ class _Attempt:
     group: Optional[Averaged] = None  # a round of many groups: our group's all-reduce, which our delegation carries
     group_average: Optional[List[torch.Tensor]] = None  # a delegate's copy of it, for a cross-group retry
     crossed: Optional[Tuple[int, str]] = None  # as a delegate: the round (epoch, hash) our groupmates wait for
+    tries: int = 0  # group attempts made
     crosses: int = 0
 
 
@@ -117,7 +119,8 @@ class Synchronizer:
 
     # ---- one round ----
     def sync(self, tokens: int, budget: float, missed_rounds: int = 0, step_seconds: Optional[float] = None,
-             planned_end: Callable[[], Optional[float]] = lambda: None) -> SyncResult:
+             planned_end: Callable[[], Optional[float]] = lambda: None, meet_at: Optional[float] = None
+             ) -> SyncResult:
         """Average this round's work with the peers that hold our state; see the module docstring.
 
         ``missed_rounds``: rounds in a row this peer's work went unmerged; it weighs
@@ -125,11 +128,16 @@ class Synchronizer:
         ``step_seconds``: this peer's recent seconds per inner step, shared with the group so that every
         member computes the same length for the next round (H steps of the median member).
         ``planned_end``: with overlap, when the round now training is planned to end, shared with the group.
+        ``meet_at``: when the round that just ended was planned to end (DHT time). A peer ends its inner phase at
+        the last step that ends by then (``RoundClock.over``), so it is early, never late, and its group's
+        matchmaking window runs from then, not from its own arrival: a slow peer's last step costs nobody a group.
         """
         self.step_seconds = step_seconds
         if self.state.epoch != self.stuck_epoch:
             self.stuck, self.stuck_epoch = 0, self.state.epoch
-        attempt = _Attempt(tokens, missed_rounds, self.clock.monotonic() + budget, planned_end)
+        early = max(0.0, meet_at - self.clock.dht_time()) if meet_at is not None else 0.0
+        budget += early
+        attempt = _Attempt(tokens, missed_rounds, self.clock.monotonic() + budget, planned_end, meet_at=meet_at)
         result = self._sync(attempt, budget)
         self.stuck = 0 if result.applied or result.rebased else self.stuck + 1
         return result
@@ -224,19 +232,19 @@ class Synchronizer:
     def _average(self, action: Action, attempt: _Attempt) -> dict:
         mine, size = self.announcer.record(), 1 + attempt.align
         logger.debug(f"epoch {mine.epoch} {mine.state_hash[:6]}: expecting a group of {action.expected}")
-        attempt.started = self.clock.monotonic()
+        attempt.started, attempt.tries = self.clock.monotonic(), attempt.tries + 1
         contribution = self._contribution(action, attempt)
         try:
             self.transport.prepare(mine.epoch, mine.state_hash, max(2, self.run.quorum), action.target,
                                    allreduce_timeout=self.deadlines.allreduce(size),
-                                   part_timeout=self.deadlines.part(size), probe=action.probe, group=action.group)
+                                   part_timeout=self.deadlines.part(size), probe=action.probe, group=action.group,
+                                   meet_at=attempt.meet_at if attempt.tries == 1 else None)  # a retry: from now
             self.hooks.at(MATCHMAKING, self.state.epoch)
             contribution = dataclasses.replace(contribution, planned_end=attempt.planned_end())
             attempt.averaged = self.transport.average(contribution, contribution.weight,
                                                       timeout=attempt.deadline - self.clock.monotonic())
-        except Exception as e:  # a failure of ours (peer/averaging/failures.py), a timeout, or anything else
+        except Exception as e:  # a failure of ours (peer/swarm/failures.py), a timeout, or anything else
             attempt.detail = first_line(e)
-            attempt.group = self._alone(contribution, attempt)  # left with no group in a round of many: across
             return dict(phase=Phase.FAILED, failure=classify(e), expected=action.expected, groups=action.groups)
         self.deadlines.observe(attempt.averaged.seconds, size=size)
         attempt.group, attempt.group_average = attempt.averaged, None
@@ -266,9 +274,12 @@ class Synchronizer:
         attempt.crosses, attempt.crossed, attempt.started = attempt.crosses + 1, (mine.epoch, mine.state_hash), \
             self.clock.monotonic()
         try:
+            # the first cross waits for the slowest group the round's first attempt allows: its window, its all-reduce
+            meet_at = None if attempt.meet_at is None or attempt.crosses > 1 else \
+                attempt.meet_at + self.run.grace_seconds + self.deadlines.allreduce(size)
             self.transport.prepare(mine.epoch, mine.state_hash, 2, max(2, action.expected),
                                    allreduce_timeout=self.deadlines.allreduce(size),
-                                   part_timeout=self.deadlines.part(size), probe=(), phase=CROSS)
+                                   part_timeout=self.deadlines.part(size), probe=(), phase=CROSS, meet_at=meet_at)
             attempt.averaged = self.transport.average(delegation, delegation.weight(),
                                                       timeout=attempt.deadline - self.clock.monotonic())
         except Exception as e:
@@ -297,6 +308,11 @@ class Synchronizer:
         except Exception as e:
             attempt.detail = first_line(e)
             return dict(phase=Phase.RECEIVED, failure=classify(e))
+        if self.announcer.identity.peer_id not in attempt.averaged.gathered:
+            # our delegate's side of our group's all-reduce failed, and it crossed for a later group of its own: the
+            # round's state does not hold our delta; it may have applied it elsewhere, so look, as for a lost one
+            attempt.detail, attempt.averaged = f"{action.delegate[:8]}'s round did not merge our delta", None
+            return dict(phase=Phase.RECEIVED, failure=Failure.DELEGATE_LOST)
         return dict(phase=Phase.RECEIVED, gathered=attempt.averaged.gathered)
 
     # ---- buffers and the outer step ----

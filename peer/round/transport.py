@@ -18,8 +18,8 @@ from hivemind.utils import get_dht_time
 from dht.node import reach_out
 from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.averaging.averager import CROSS, GROUP, SwarmAverager
-from peer.averaging.failures import DelegateLost, MinorityGroup, NoMajority
 from peer.averaging.results import GROUP_ONLY, MINORITY, NO_MAJORITY, READY
+from peer.swarm.failures import DelegateLost, MinorityGroup, NoMajority
 from peer.swarm.metadata import Averaged, Contribution, Delegation
 
 Downloaded = Tuple[List[str], Dict, List[torch.Tensor]]  # (donors used, metadata, [G, m])
@@ -49,13 +49,15 @@ class Transport(Protocol):
         """The averaged buffers ([delta] or [delta, moment]), held: the averager does not touch them meanwhile."""
 
     def prepare(self, epoch: int, state_hash: str, min_group: int, expected_group: int, allreduce_timeout: float,
-                part_timeout: float, probe: Sequence[str], phase: str = GROUP, group: int = -1) -> None:
+                part_timeout: float, probe: Sequence[str], phase: str = GROUP, group: int = -1,
+                meet_at: Optional[float] = None) -> None:
         """This attempt's group key, expected group and deadlines (``SwarmAverager.prepare_round``); ``phase``: in
         our group (``group``: which of a round's groups; -1: one group of all), or across the groups' delegates
-        (``CROSS``)."""
+        (``CROSS``); ``meet_at``: the DHT time the group planned to meet, from which the matchmaking window runs
+        if it is later than now."""
 
     def average(self, contribution: Union[Contribution, Delegation], weight: float, timeout: float) -> Averaged:
-        """Matchmaking, then the exact all-reduce of the buffers, in place; raises a ``peer.averaging.failures``
+        """Matchmaking, then the exact all-reduce of the buffers, in place; raises a ``peer.swarm.failures``
         exception, or TimeoutError after ``timeout`` seconds."""
 
     def receive(self, delegate: str, epoch: int, state_hash: str, aligned: bool, timeout: float,
@@ -83,6 +85,7 @@ class SwarmTransport:
     def __init__(self, dht, averager: SwarmAverager, namespace: str, grace_seconds: float):
         self.dht, self.averager, self.namespace, self.grace_seconds = dht, averager, namespace, grace_seconds
         self.phase = GROUP  # the phase the last ``prepare`` set up
+        self.meet_at: Optional[float] = None  # and when its window starts (None: at once)
         self.publisher = RecordPublisher(dht, namespace)
         self.answered = self.publisher.answered
 
@@ -106,7 +109,9 @@ class SwarmTransport:
         return self.averager.get_tensors()
 
     def prepare(self, epoch: int, state_hash: str, min_group: int, expected_group: int, allreduce_timeout: float,
-                part_timeout: float, probe: Sequence[str], phase: str = GROUP, group: int = -1) -> None:
+                part_timeout: float, probe: Sequence[str], phase: str = GROUP, group: int = -1,
+                meet_at: Optional[float] = None) -> None:
+        self.meet_at = meet_at
         self.averager.prepare_round(epoch, state_hash, min_group, expected_group, allreduce_timeout=allreduce_timeout,
                                     part_timeout=part_timeout, probe=probe, phase=phase, group=group)
         self.phase = phase
@@ -135,10 +140,11 @@ class SwarmTransport:
     def average(self, contribution: Union[Contribution, Delegation], weight: float, timeout: float) -> Averaged:
         # the delegates of a round's groups meet as their groups finish: a left-over peer, its own delegate, learns
         # it is left over only when its group window ends, and must still find the others waiting
-        grace = self.grace_seconds * (CROSS_WINDOW if self.phase == CROSS else 1)
+        now = get_dht_time()
+        window = max(self.meet_at or now, now) - now + self.grace_seconds * (CROSS_WINDOW if self.phase == CROSS else 1)
         control = self.averager.step(
-            gather=contribution.to_wire(), weight=float(weight), scheduled_time=get_dht_time() + grace,
-            timeout=grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False,
+            gather=contribution.to_wire(), weight=float(weight), scheduled_time=now + window,
+            timeout=window + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False,
             wait=False,
         )
         try:

@@ -1,10 +1,10 @@
 """Rounds for a swarm larger than one group: how many groups, who speaks for each, and what they add up to.
 
-A swarm of fewer than twice ``--group-size`` peers at one state meets in one group, as a small swarm always has. A
-larger one meets in about ``expected / group_size`` groups (``plan``): every peer computes, from the records it read,
-which group each expected peer meets in, and meets its own under a matchmaking key of that group's, expecting its
-members, so a group closes as soon as they have all joined. Each group then runs three phases (docs/design.md,
-"Rounds of many groups"):
+A swarm of fewer than 1.5 times ``--group-size`` peers at one state meets in one group, as a small swarm always has. A
+larger one meets in about ``N / group_size`` groups (``plan``; N: the peers whose deltas made the state): every peer
+computes, from the records it read, which group each expected peer meets in, and meets its own under a matchmaking
+key of that group's, expecting its members, so a group closes as soon as they have all joined. Each group then runs
+three phases (docs/design.md, "Rounds of many groups"):
 
 1. an exact all-reduce inside the group: every member holds the group's average, bit-identical;
 2. the group's delegate (``delegate``) meets the other groups' delegates in one cross-group exact all-reduce of the
@@ -18,15 +18,19 @@ A group that is a majority of the peers at its state applies after phase 1, as o
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Mapping, Tuple, Union
 
-from peer.swarm.metadata import Delegation, Gathered
+from peer.swarm.consensus import majority_elsewhere, minority
+from peer.swarm.failures import GroupLostMember, MinorityGroup, NoMajority
+from peer.swarm.metadata import Contribution, Delegation, Gathered
 
 
 def group_count(expected: int, group_size: int) -> int:
-    """How many groups ``expected`` peers at one state meet in: ``expected / group_size`` of them, so about
-    ``group_size`` peers each (0: one group of all); one group up to twice that many."""
-    return max(1, expected // group_size) if group_size else 1
+    """How many groups ``expected`` peers at one state meet in: ``expected / group_size``, rounded, so about
+    ``group_size`` peers each (0: one group of all); one group below 1.5 times that many. Rounded, not truncated: the
+    count, and with it every group, changes only when the swarm grows or shrinks by half a group, not whenever one
+    peer dies or returns around a multiple of the group size."""
+    return max(1, int(expected / group_size + 0.5)) if group_size else 1
 
 
 def group_of(peer_id: str, epoch: int, count: int) -> int:
@@ -37,11 +41,18 @@ def group_of(peer_id: str, epoch: int, count: int) -> int:
     return int.from_bytes(digest[:8], "big") % count
 
 
-def plan(expected: Iterable[str], me: str, epoch: int, group_size: int) -> Tuple[int, int, List[str], int]:
+def plan(expected: Iterable[str], me: str, epoch: int, group_size: int, producers: int = 0
+         ) -> Tuple[int, int, List[str], int]:
     """(our group, its expected size, its other expected members, the groups the round has) for the peers expected
-    at our state, us included. With one group: (0, all of them, the others, 1)."""
+    at our state, us included. With one group: (0, all of them, the others, 1).
+
+    The count of groups follows ``producers``, the peers whose deltas made our state (``GlobalState.merged``), which
+    every peer at the state holds alike; only without them (the first round) does it follow the peers we expect. Two
+    views one peer apart around a boundary of the rounding would otherwise count different groups and put everyone
+    in a different group: at 60 peers in groups of 8, they split the cross-group round 41 | 19 (``bench/scale.py``).
+    """
     peers = sorted(set(expected) | {me})
-    count = group_count(len(peers), group_size)
+    count = group_count(producers or len(peers), group_size)
     if count == 1:
         return 0, len(peers), [p for p in peers if p != me], 1
     groups = [group_of(peer, epoch, count) for peer in peers]
@@ -68,3 +79,28 @@ def union(delegations: Iterable[Delegation]) -> Gathered:
                 raise ValueError(f"peer {peer} is a member of two delegations")
             merged[peer] = contribution
     return merged
+
+
+def admit(words: Mapping[str, Union[Contribution, Delegation]], cross: bool) -> Gathered:
+    """What a formed group checks before anyone sends, from the words every member gathered alike (so all send or
+    none does): the members agree on sending first moments, and the majority rule (``consensus.minority``) holds
+    over every contribution the all-reduce would merge. In a round of many groups a group is a minority by design:
+    there the cross-group phase, over the delegates' merged groups, is the one that gates. Returns those
+    contributions; raises ``GroupLostMember``, ``MinorityGroup`` or ``NoMajority``."""
+    if cross:
+        if any(peer not in delegation.members for peer, delegation in words.items()):
+            raise GroupLostMember("a delegate is not a member of its own group")
+        try:
+            gathered = union(words.values())
+        except ValueError as e:
+            raise GroupLostMember(f"a delegate sent a malformed delegation: {e}") from None
+    else:
+        gathered = dict(words)
+    if len({word.align for word in words.values()}) != 1:
+        raise GroupLostMember("group members disagree on momentum alignment")
+    if cross or all(contribution.groups == 1 for contribution in gathered.values()):
+        why_not = minority(gathered)
+        if why_not is not None:
+            raise (MinorityGroup if majority_elsewhere(gathered) else NoMajority)(why_not)
+    return gathered
+

@@ -106,9 +106,9 @@ class FakeTransport:
         yield self.tensors
 
     def prepare(self, epoch, state_hash, min_group, expected_group, allreduce_timeout, part_timeout, probe,
-                phase="group", group=-1) -> None:
+                phase="group", group=-1, meet_at=None) -> None:
         self.prepared.append(dict(epoch=epoch, hash=state_hash, min_group=min_group, expected=expected_group,
-                                  probe=tuple(probe), phase=phase, group=group))
+                                  probe=tuple(probe), phase=phase, group=group, meet_at=meet_at))
 
     def average(self, contribution: Contribution, weight: float, timeout: float) -> Averaged:
         self.sent.append((contribution, weight, self.tensors[0].clone()))
@@ -149,14 +149,16 @@ def record(peer_id: str, epoch: int, state: str, tokens: int, **fields) -> PeerR
                       **fields)
 
 
-def across(members: Sequence[str], tokens: int = 100, average: Optional[torch.Tensor] = None) -> Script:
-    """A cross-group all-reduce (or a delegate's answer) that merged ``members`` (besides our group) and leaves
-    ``average`` (default: our buffer as it is) in the buffers."""
+def across(members: Sequence[str], tokens: int = 100, average: Optional[torch.Tensor] = None,
+           without: str = "") -> Script:
+    """A cross-group all-reduce (or a delegate's answer) that merged ``members`` (besides our group, less
+    ``without``) and leaves ``average`` (default: our buffer as it is) in the buffers."""
 
     def run(transport: FakeTransport, mine, weight: float) -> Averaged:
         group = dict(mine.members) if mine is not None else {transport.peer_id: transport.last_group}
         template = next(iter(group.values()))
         merged = dict(group, **{peer: dataclasses.replace(template, tokens=tokens) for peer in members})
+        merged.pop(without, None)
         if average is not None:
             transport.tensors[0].copy_(average)
         return Averaged(gathered=merged, aligned=False, seconds=1.0, groups=2)
