@@ -79,7 +79,8 @@ class Peers:
     """The swarm under one schedule (``tests.harness.swarm.Swarm``: a bootstrap node and real peers), addressed by
     index; a peer restarts under the same index, checkpoint dir and metrics file, with fresh log files."""
 
-    def __init__(self, peers: int, log_dir: Path, run_id: str, peer_args: List[str]):
+    def __init__(self, peers: int, log_dir: Path, run_id: str, peer_args: List[str], slow_every: int = 0,
+                 slow_step_seconds: float = 0.0):
         self.swarm = Swarm(log_dir, defaults=["--quiet", "--run-id", run_id, *peer_args])
         self.peers: List[PeerProc] = []
         self.starts, self.restarts = [0] * peers, 0
@@ -87,7 +88,9 @@ class Peers:
         self.killed: List[PeerProc] = []
         try:
             for i in range(peers):
-                self.peers.append(self.swarm.peer(f"peer{i}", "--checkpoint-dir", str(log_dir / f"peer{i}-ckpt")))
+                slow = ["--min-step-seconds", str(slow_step_seconds)] if slow_every and i % slow_every == 0 else []
+                self.peers.append(self.swarm.peer(f"peer{i}", "--checkpoint-dir", str(log_dir / f"peer{i}-ckpt"),
+                                                  *slow))
         except BaseException:
             self.swarm.close()
             raise
@@ -305,7 +308,8 @@ def run_schedule(system: str, schedule: str, args, root: Path) -> dict:
     log_dir = root / system / schedule
     log_dir.mkdir(parents=True)
     if system == "swarm":
-        job = Peers(args.peers, log_dir, f"goodput-{schedule}", [*shared_flags(args), *args.peer_args])
+        job = Peers(args.peers, log_dir, f"goodput-{schedule}", [*shared_flags(args), *args.peer_args],
+                    args.slow_every, args.slow_step_seconds)
     else:
         job = SyncJob(args.peers, log_dir, shared_flags(args))
     try:
@@ -381,6 +385,9 @@ def main(argv=None) -> int:
     parser.add_argument("--min-step-seconds", type=float, default=1.5,
                         help="every process pads its inner steps to this long, so that N processes sharing "
                              "this machine's cores each train at one fixed pace, like N machines")
+    parser.add_argument("--slow-every", type=int, default=0,
+                        help="every this many swarm peers, one is a slower device (0: none)")
+    parser.add_argument("--slow-step-seconds", type=float, default=6.0, help="a slower device's seconds per step")
     parser.add_argument("--batch-size", type=int, help="sequences per step per process (default: the preset's)")
     parser.add_argument("--inner-steps", type=int, help="H, and the baseline's checkpoint interval in steps")
     parser.add_argument("--out", type=Path, help="also write the table, with how it was measured, here")

@@ -32,3 +32,18 @@ def test_the_data_parallel_baseline_resumes_from_its_checkpoint(tmp_path):
     resumed = read_metrics(metrics)[len(saved)]
     per_round = ROUND_STEPS * BATCH * PRESETS["tiny"].seq_len  # the worker's default model
     assert resumed["tokens_total"] >= saved[-1]["tokens_total"] + per_round, (resumed, saved, second.stderr[-3000:])
+
+
+def test_the_scale_simulation_runs_the_products_rounds_to_one_state_per_epoch_across_groups():
+    """bench.scale runs the product's Synchronizer on a simulated network: 24 peers in groups of 8 under churn
+    merge across 3 groups, and every epoch holds one state. (The figures are bench/results/scale.md's.)"""
+    from bench import scale
+
+    args = scale.parse_args(["--minutes", "40", "--churn", "0.05", "--inner-steps", "50"])
+    result = scale.simulate(24, 8, args, seed=1)
+    summary = scale.summarize(result, 24)
+    rows = result["rows"]
+    assert summary["epochs"] >= 4 and summary["forked"] == 0 and summary["states"] == 1, summary
+    assert {r["groups"] for r in rows if r["applied"]} >= {3}
+    assert summary["applied_share"] >= 0.9, summary["failed"]
+    assert summary["loss"] < rows[0]["loss"]  # the global state moves towards the shared target
