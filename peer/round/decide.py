@@ -47,6 +47,7 @@ from peer.swarm.consensus import (
     syncing_now,
     voters,
 )
+from peer.swarm.failures import DelegateLost, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.grouping import delegate, plan
 from peer.swarm.metadata import Gathered
 
@@ -124,6 +125,22 @@ class Action:
     voters: int = 1  # AVERAGE: the electorate we count, us included
     delegate: str = ""  # RECEIVE: our group's delegate
     own_group: bool = False  # APPLY: our group's average, as a majority whose delegate met no other group's
+
+
+def classify(error: BaseException) -> Failure:
+    """How an attempt failed, by the exception's type; anything unforeseen counts as a lost member (retried)."""
+    if isinstance(error, NoMajority):
+        return Failure.NO_MAJORITY
+    if isinstance(error, MinorityGroup):
+        return Failure.MINORITY
+    if isinstance(error, NoGroup):
+        return Failure.NO_GROUP
+    if isinstance(error, MaybeApplied):
+        return Failure.MAYBE_APPLIED
+    if isinstance(error, DelegateLost):
+        return Failure.DELEGATE_LOST
+    return Failure.LOST_MEMBER
+
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ import torch
 
 from compression.feedback import ErrorFeedback
 from dht.errors import first_line
-from peer.averaging.averager import CROSS
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import MATCHMAKING, Hooks
 from peer.outer.lineage import Lineage
@@ -33,12 +32,12 @@ from peer.outer.nesterov import nesterov_step
 from peer.outer.state import GlobalState, merge_contributors
 from peer.round.announce import Announcer
 from peer.round.catchup import StateCatchUp
-from peer.round.decide import Action, Do, Failure, Outcome, Phase, View, decide, describe
+from peer.round.cross import Crossing
+from peer.round.decide import Action, Do, Outcome, Phase, View, classify, decide, describe
 from peer.swarm.clock import Clock
 from peer.swarm.consensus import SYNCING, responsive
 from peer.swarm.deadlines import Deadlines
-from peer.swarm.failures import DelegateLost, MaybeApplied, MinorityGroup, NoGroup, NoMajority
-from peer.swarm.metadata import Averaged, Contribution, Delegation
+from peer.swarm.metadata import Averaged, Contribution
 from peer.swarm.records import RecordCache
 from peer.swarm.timing import next_round_seconds, round_end
 from peer.train.flat import FlatLayout
@@ -63,21 +62,6 @@ class SyncResult:
     round_end: Optional[float] = None  # overlap: the group's agreed end (DHT time) of the round in progress
     offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
     groups: int = 0  # the groups whose work the applied round merged (1: one group; 0: none applied)
-
-
-def classify(error: BaseException) -> Failure:
-    """How an attempt failed, by the exception's type; anything unforeseen counts as a lost member (retried)."""
-    if isinstance(error, NoMajority):
-        return Failure.NO_MAJORITY
-    if isinstance(error, MinorityGroup):
-        return Failure.MINORITY
-    if isinstance(error, NoGroup):
-        return Failure.NO_GROUP
-    if isinstance(error, MaybeApplied):
-        return Failure.MAYBE_APPLIED
-    if isinstance(error, DelegateLost):
-        return Failure.DELEGATE_LOST
-    return Failure.LOST_MEMBER
 
 
 @dataclass
@@ -116,6 +100,7 @@ class Synchronizer:
         # unmerged rounds, which include rounds lost catching up; a peer that just adopted the swarm's state is
         # not stalled, and once counted as such it forked a majority still at work)
         self.stuck, self.stuck_epoch = 0, -1
+        self.crossing = Crossing(transport, clock, announcer, deadlines, run)
 
     # ---- one round ----
     def sync(self, tokens: int, budget: float, missed_rounds: int = 0, step_seconds: Optional[float] = None,
@@ -157,7 +142,7 @@ class Synchronizer:
                 break
             if action.do is Do.APPLY:
                 if action.own_group:  # as a majority group's delegate that met no other: our group's average
-                    self._restore_group_average(attempt)
+                    self.crossing.restore(attempt)
                     self.transport.conclude_group(*attempt.crossed, attempt.group)
                     attempt.averaged = attempt.group
                 self._apply(attempt.averaged, result)
@@ -213,9 +198,9 @@ class Synchronizer:
             found = self.catchup.catch_up(timeout=max(attempt.deadline - self.clock.monotonic(), 1.0))
             return dict(facts, phase=Phase.CAUGHT_UP, caught_up=found.adopted, holders_syncing=None)
         if action.do is Do.CROSS:
-            return self._cross(action, attempt)
+            return self.crossing.cross(action, attempt, self._contribution(action, attempt))
         if action.do is Do.RECEIVE:
-            return self._receive(action, attempt)
+            return self.crossing.receive(action, attempt)
         raise AssertionError(f"unhandled action {action.do}")
 
     def _attempt(self, action: Action, attempt: _Attempt, result: SyncResult) -> dict:
@@ -257,63 +242,6 @@ class Synchronizer:
                             step_seconds=self.step_seconds, missed=self.stuck, voters=action.voters,
                             weight=attempt.tokens * self.run.stale_discount ** attempt.missed_rounds,
                             groups=action.groups, client=self.announcer.identity.client_mode)
-
-    def _alone(self, contribution: Contribution, attempt: _Attempt) -> Averaged:
-        """A group of one: our own delta, in the buffers, is its average."""
-        attempt.group_average = None
-        return Averaged(gathered={self.announcer.identity.peer_id: contribution}, aligned=attempt.align, seconds=0.0)
-
-    def _cross(self, action: Action, attempt: _Attempt) -> dict:
-        """As our group's delegate: the cross-group all-reduce of our group's average, weighted by its members'."""
-        if attempt.group is None:  # nobody else meets in our group this round
-            attempt.group = self._alone(self._contribution(action, attempt), attempt)
-        mine, size = self.announcer.record(), 1 + attempt.align
-        delegation = Delegation(epoch=mine.epoch, hash=mine.state_hash, align=attempt.align,
-                                members=attempt.group.gathered)
-        self._restore_group_average(attempt)  # a retry starts from our group's average again
-        attempt.crosses, attempt.crossed, attempt.started = attempt.crosses + 1, (mine.epoch, mine.state_hash), \
-            self.clock.monotonic()
-        try:
-            # the first cross waits for the slowest group the round's first attempt allows: its window, its all-reduce
-            meet_at = None if attempt.meet_at is None or attempt.crosses > 1 else \
-                attempt.meet_at + self.run.grace_seconds + self.deadlines.allreduce(size)
-            self.transport.prepare(mine.epoch, mine.state_hash, 2, max(2, action.expected),
-                                   allreduce_timeout=self.deadlines.allreduce(size),
-                                   part_timeout=self.deadlines.part(size), probe=(), phase=CROSS, meet_at=meet_at)
-            attempt.averaged = self.transport.average(delegation, delegation.weight(),
-                                                      timeout=attempt.deadline - self.clock.monotonic())
-        except Exception as e:
-            attempt.detail = first_line(e)
-            return dict(phase=Phase.CROSSED, failure=classify(e), crosses=attempt.crosses, groups=action.expected,
-                        group=attempt.group.gathered)
-        self.deadlines.observe(attempt.averaged.seconds, size=size)
-        return dict(phase=Phase.CROSSED, gathered=attempt.averaged.gathered, crosses=attempt.crosses)
-
-    def _restore_group_average(self, attempt: _Attempt) -> None:
-        """Keep a copy of our group's average in the buffers the first time, and put it back every other time."""
-        with self.transport.buffers() as tensors:
-            if attempt.group_average is None:
-                attempt.group_average = [t.clone() for t in tensors]
-            else:
-                for tensor, saved in zip(tensors, attempt.group_average):
-                    tensor.copy_(saved)
-
-    def _receive(self, action: Action, attempt: _Attempt) -> dict:
-        """The swarm's average, from our group's delegate and the round's other delegates."""
-        mine = self.announcer.record()
-        try:
-            attempt.averaged = self.transport.receive(action.delegate, mine.epoch, mine.state_hash, attempt.align,
-                                                      timeout=max(attempt.deadline - self.clock.monotonic(), 0.1),
-                                                      part_timeout=self.deadlines.part(1 + attempt.align))
-        except Exception as e:
-            attempt.detail = first_line(e)
-            return dict(phase=Phase.RECEIVED, failure=classify(e))
-        if self.announcer.identity.peer_id not in attempt.averaged.gathered:
-            # our delegate's side of our group's all-reduce failed, and it crossed for a later group of its own: the
-            # round's state does not hold our delta; it may have applied it elsewhere, so look, as for a lost one
-            attempt.detail, attempt.averaged = f"{action.delegate[:8]}'s round did not merge our delta", None
-            return dict(phase=Phase.RECEIVED, failure=Failure.DELEGATE_LOST)
-        return dict(phase=Phase.RECEIVED, gathered=attempt.averaged.gathered)
 
     # ---- buffers and the outer step ----
     def _fill_buffers(self, align: bool) -> bool:
