@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import math
 import random
 import statistics
@@ -314,4 +313,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["Killed", "SimPeer", "dataclasses"]
+__all__ = ["SimPeer", "simulate", "summarize"]
