@@ -7,4 +7,5 @@
 - ``liveness.py``   whether an expected peer can be reached now (dials refused or in backoff), and the probe
 - ``sharing.py``    state sharing: snapshots served by slice, striped downloads from several donors
 - ``results.py``    a cross-group round's result, served by its delegates to their groupmates
+- ``striping.py``   one download from many donors at once, a donor that fails dropped (both downloads above)
 """

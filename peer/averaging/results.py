@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence
 
@@ -25,6 +25,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
 
 from dht import internals
 from peer.averaging.allreduce import CodecCompression
+from peer.averaging.striping import stripe
 
 logger = logging.getLogger(__name__)
 
@@ -155,32 +156,19 @@ class RoundResults:
 
     async def _striped(self, delegates: List[str], key: str, count: int, part_timeout: float
                        ) -> List[runtime_pb2.Tensor]:
-        starts = range(0, count, PARTS_PER_SLICE)
-        slices, parts, changed = deque(starts), {}, asyncio.Event()
+        starts = list(range(0, count, PARTS_PER_SLICE))
 
-        async def worker(donor: str) -> None:
-            while len(parts) < len(starts):
-                if not slices:
-                    changed.clear()
-                    await changed.wait()
-                    continue
-                start = slices.popleft()
-                try:
-                    _, got = await self._ask(donor, key, start, min(start + PARTS_PER_SLICE, count), part_timeout)
-                    if len(got) != min(PARTS_PER_SLICE, count - start):
-                        raise ValueError(f"{donor} sent {len(got)} parts")
-                except Exception as e:
-                    slices.appendleft(start)
-                    changed.set()
-                    logger.info(f"result download from {donor} failed ({e!r}); taking its parts from the others")
-                    return
-                parts[start] = got
-                changed.set()
+        async def fetch(donor: str, index: int):
+            start = starts[index]
+            _, got = await self._ask(donor, key, start, min(start + PARTS_PER_SLICE, count), part_timeout)
+            if len(got) != min(PARTS_PER_SLICE, count - start):
+                raise ValueError(f"{donor} sent {len(got)} parts")
+            return got
 
-        await asyncio.gather(*(worker(donor) for donor in delegates))
-        if len(parts) < len(starts):
+        got = await stripe(delegates, len(starts), fetch, "result download")
+        if len(got) < len(starts):
             raise ValueError("no delegate served every part of the result")
-        return [part for start in sorted(parts) for part in parts[start]]
+        return [part for index in range(len(starts)) for part in got[index][1]]
 
     async def _ask(self, donor: str, key: str, start: int, end: int, part_timeout: float):
         stub = self.get_stub(internals.averager_p2p(self), PeerID.from_base58(donor), namespace=self.prefix)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,6 +24,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from dht import internals
+from peer.averaging.striping import stripe
 from peer.hooks import DONOR
 
 logger = logging.getLogger(__name__)
@@ -126,34 +126,24 @@ class StateSharing:
         total = 2 * size
         count = max(2 * len(donors), -(-total // STATE_SLICE))
         bounds = [total * i // count for i in range(count + 1)]
-        pending, parts, used, changed = deque(range(count)), {}, [], asyncio.Event()
-        metadata: Dict[str, Any] = {}
+        stubs: Dict[str, Any] = {}
 
-        async def worker(donor: str) -> None:
-            stub = self.get_stub(internals.averager_p2p(self), PeerID.from_base58(donor), namespace=self.prefix)
-            while len(parts) < count:
-                if not pending:
-                    changed.clear()
-                    await changed.wait()
-                    continue
-                index = pending.popleft()
-                try:
-                    meta, values = await self._fetch_slice(stub, state_hash, bounds[index], bounds[index + 1],
-                                                           part_timeout)
-                except Exception as e:
-                    pending.appendleft(index)
-                    changed.set()
-                    logger.info(f"state download from {donor} failed ({e!r}); taking its slices from the others")
-                    return
-                parts[index] = values
-                metadata.update(meta)
-                if donor not in used:
-                    used.append(donor)
-                changed.set()
+        async def fetch(donor: str, index: int):
+            if donor not in stubs:
+                stubs[donor] = self.get_stub(internals.averager_p2p(self), PeerID.from_base58(donor),
+                                             namespace=self.prefix)
+            return await self._fetch_slice(stubs[donor], state_hash, bounds[index], bounds[index + 1], part_timeout)
 
-        await asyncio.gather(*(worker(donor) for donor in donors))
-        if len(parts) < count:
+        got = await stripe(donors, count, fetch, "state download")
+        if len(got) < count:
             return None
+        used, metadata, parts = [], {}, {}
+        for index in range(count):
+            donor, (meta, values) = got[index]
+            parts[index] = values
+            metadata.update(meta)
+            if donor not in used:
+                used.append(donor)
         flat = torch.cat([parts[i] for i in range(count)])
         return used, metadata, [flat[:size], flat[size:]]
 
