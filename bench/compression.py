@@ -28,7 +28,7 @@ from hivemind.compression import (
 )
 
 from bench.simulation import simulate
-from compression import CODECS, get_codec
+from diloco_compression import CODECS, get_codec
 from peer.config import RunConfig
 from peer.train.model import build_model, count_parameters
 

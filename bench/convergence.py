@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from bench.simulation import SimulationResult, data_parallel, round_steps, simulate
-from compression import get_codec
+from diloco_compression import get_codec
 from peer.config import RunConfig, SyncConfig
 from peer.presets import PRESETS
 from peer.train.model import build_model, count_parameters

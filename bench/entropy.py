@@ -38,8 +38,8 @@ import torch
 from bench.convergence import cell_rounds, cell_run, cells
 from bench.convergence import parse_args as convergence_args
 from bench.simulation import simulate
-from compression import Codec, get_codec
-from compression.feedback import CHUNK_VALUES
+from diloco_compression import Codec, get_codec
+from diloco_compression.feedback import CHUNK_VALUES
 
 MEASURES = ("wire", "order-0 entropy", "zlib")
 

@@ -30,8 +30,8 @@ from typing import Dict, List, Optional
 import torch
 
 from bench.simnet import Killed, Link, NetConfig, Network, Scheduler, SimClock, SimTransport
-from compression import get_codec
-from compression.feedback import ErrorFeedback
+from diloco_compression import get_codec
+from diloco_compression.feedback import ErrorFeedback
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import Hooks
 from peer.outer.contributions import Contributions

@@ -10,10 +10,10 @@ Every codec decodes deterministically: the same bytes give the same fp32 values 
 is what lets all members of a group end bit-identical.
 """
 
-from compression.base import Codec
-from compression.blockwise import Int4Codec, Int8Codec
-from compression.floating import Float16Codec, NoneCodec
-from compression.huffman import Int4HuffmanCodec
+from diloco_compression.base import Codec
+from diloco_compression.blockwise import Int4Codec, Int8Codec
+from diloco_compression.floating import Float16Codec, NoneCodec
+from diloco_compression.huffman import Int4HuffmanCodec
 
 CODECS = {codec.name: codec for codec in (NoneCodec(), Float16Codec(), Int8Codec(), Int4Codec(), Int4HuffmanCodec())}
 

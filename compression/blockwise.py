@@ -23,7 +23,7 @@ import warnings
 import numpy as np
 import torch
 
-from compression.base import Codec
+from diloco_compression.base import Codec
 
 
 def _bnb_functional():

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from compression.base import Codec
+from diloco_compression.base import Codec
 
 CHUNK_VALUES = 1 << 22  # a multiple of every codec's block
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compression.base import Codec
+from diloco_compression.base import Codec
 
 
 def _frombuffer(data: bytes, dtype: np.dtype, numel: int, codec: str) -> np.ndarray:

@@ -31,7 +31,7 @@ import zlib
 import numpy as np
 import torch
 
-from compression.blockwise import BlockwiseCodec
+from diloco_compression.blockwise import BlockwiseCodec
 
 LEVELS = 7  # codes 0..14 for -7..7 steps of absmax / 7
 

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from compression import CODECS
+from diloco_compression import CODECS
 from dht.cli import opt, require_non_negative, require_positive
 from peer.outer.schedule import cosine_factor, portable_cos
 from peer.presets import PRESETS

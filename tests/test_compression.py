@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from compression import CODECS, get_codec
-from compression.feedback import ErrorFeedback
+from diloco_compression import CODECS, get_codec
+from diloco_compression.feedback import ErrorFeedback
 from peer.config import RunConfig
 from peer.train.data import ByteTokenizer, load_corpus
 from peer.train.flat import FlatLayout

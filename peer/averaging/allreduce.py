@@ -29,7 +29,7 @@ from hivemind.p2p import P2P, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from compression import Codec
+from diloco_compression import Codec
 from peer.averaging.robust import Offence, robust_mean
 from peer.hooks import REDUCE, SEND, Hooks
 from peer.swarm.failures import GroupLostMember

@@ -29,7 +29,7 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
-from compression import Codec
+from diloco_compression import Codec
 from dht import internals
 from dht.node import init_child_process
 from peer.averaging.allreduce import ExactAllReduceRunner

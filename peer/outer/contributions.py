@@ -16,8 +16,8 @@ from typing import Deque, List, Tuple
 
 import torch
 
-from compression import Codec
-from compression.feedback import CHUNK_VALUES
+from diloco_compression import Codec
+from diloco_compression.feedback import CHUNK_VALUES
 
 
 class Contributions:

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from compression.feedback import ErrorFeedback
+from diloco_compression.feedback import ErrorFeedback
 from dht.records import PeerRecord
 from peer.config import RunConfig, SyncConfig
 from peer.outer.lineage import Lineage, Rebase, rebase_kind

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from compression.feedback import ErrorFeedback
+from diloco_compression.feedback import ErrorFeedback
 from dht.errors import first_line
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import MATCHMAKING, Hooks

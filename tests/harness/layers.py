@@ -18,6 +18,7 @@ from typing import Dict, List, Set, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("compression", "dht", "peer")
+INSTALLED_AS = {"diloco_compression": "compression"}  # import name -> folder (pyproject.toml says why)
 # bottom first; a package imports only from packages of lower layers (modules of its own package aside)
 LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("compression",),
@@ -57,7 +58,14 @@ def imports(path: Path) -> Set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+    return {_folder(name) for name in names}
+
+
+def _folder(module: str) -> str:
+    """An imported name as the module path of its source folder: ``diloco_compression.base`` -> ``compression.base``."""
+    top, _, rest = module.partition(".")
+    top = INSTALLED_AS.get(top, top)
+    return f"{top}.{rest}" if rest else top
 
 
 def edges() -> Dict[Tuple[str, str], List[str]]:
