@@ -19,6 +19,7 @@ import sys
 import time
 
 import torch
+from diloco_compression import CODECS, get_codec
 from hivemind.compression import (
     BlockwiseQuantization,
     CompressionInfo,
@@ -28,7 +29,6 @@ from hivemind.compression import (
 )
 
 from bench.simulation import simulate
-from diloco_compression import CODECS, get_codec
 from peer.config import RunConfig
 from peer.train.model import build_model, count_parameters
 

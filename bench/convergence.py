@@ -39,9 +39,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
+from diloco_compression import get_codec
 
 from bench.simulation import SimulationResult, data_parallel, round_steps, simulate
-from diloco_compression import get_codec
 from peer.config import RunConfig, SyncConfig
 from peer.presets import PRESETS
 from peer.train.model import build_model, count_parameters

@@ -34,12 +34,12 @@ from typing import Dict, List
 
 import numpy as np
 import torch
+from diloco_compression import Codec, get_codec
+from diloco_compression.feedback import CHUNK_VALUES
 
 from bench.convergence import cell_rounds, cell_run, cells
 from bench.convergence import parse_args as convergence_args
 from bench.simulation import simulate
-from diloco_compression import Codec, get_codec
-from diloco_compression.feedback import CHUNK_VALUES
 
 MEASURES = ("wire", "order-0 entropy", "zlib")
 

@@ -28,10 +28,10 @@ from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 import torch
-
-from bench.simnet import Killed, Link, NetConfig, Network, Scheduler, SimClock, SimTransport
 from diloco_compression import get_codec
 from diloco_compression.feedback import ErrorFeedback
+
+from bench.simnet import Killed, Link, NetConfig, Network, Scheduler, SimClock, SimTransport
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import Hooks
 from peer.outer.contributions import Contributions

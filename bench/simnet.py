@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
-
 from diloco_compression import Codec
 from diloco_compression.feedback import roundtrip
+
 from dht.records import HEARTBEAT_SECONDS, PeerRecord
 from peer.averaging.results import FAILED, GROUP_ONLY, MINORITY, NO_MAJORITY, PENDING, READY
 from peer.averaging.robust import robust_mean

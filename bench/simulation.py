@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Sequence
 
 import torch
-
 from diloco_compression import Codec, get_codec
 from diloco_compression.feedback import CHUNK_VALUES, ErrorFeedback, roundtrip
+
 from peer.averaging.robust import robust_mean
 from peer.config import RunConfig
 from peer.outer.nesterov import nesterov_step

@@ -6,5 +6,10 @@
 - ``node.py``       ``DHTConfig`` and ``start_dht``: start or join a swarm, stable identities, clear failures
 - ``manifest.py``   the run manifest: what a run trains and with which settings, plus its hash
 - ``records.py``    per-peer progress records (epoch, state hash, tokens, schedule) and the key schema
+- ``platform.py``   the platforms a peer runs on; native Windows exits at once with one line naming WSL2 and docker
 - ``__main__.py``   ``python -m dht``: a bootstrap node that does not train
 """
+
+from dht.platform import require_supported
+
+require_supported()

@@ -10,20 +10,19 @@ peers once the bootstrap node is up.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
 import threading
 from typing import Optional, Sequence, Tuple
 
-from dht.cli import add_arguments, from_args
+from dht.cli import Parser, add_arguments, from_args
 from dht.errors import UserError
 from dht.node import DHTConfig, start_dht, visible_maddrs
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[DHTConfig, Optional[str]]:
-    parser = argparse.ArgumentParser(prog="python -m dht", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m dht", description=__doc__.split("\n\n")[0])
     add_arguments(parser, DHTConfig)
     parser.add_argument("--maddr-file", help="also write the multiaddrs to this file once the node is up")
     args = parser.parse_args(argv)

@@ -23,6 +23,13 @@ def opt(default: Any, help: str, *, choices: Optional[Sequence[Any]] = None, cli
     return dataclasses.field(default=default, metadata=metadata, **kwargs)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line: what is wrong and where the usage is, not the 40-line usage itself."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
+
+
 def _unwrap_optional(tp: Any) -> Any:
     if typing.get_origin(tp) is typing.Union:
         args = [arg for arg in typing.get_args(tp) if arg is not type(None)]

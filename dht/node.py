@@ -70,7 +70,10 @@ def init_child_process() -> None:
 def _daemon_preexec() -> None:
     """Runs in the forked p2p daemon before exec: its own process group, and death with its parent."""
     os.setpgrp()
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux (macOS): the daemon stops with hivemind's shutdown instead
 
 
 def _spawn_daemon_detached() -> None:

@@ -9,14 +9,13 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import logging
 import sys
 from typing import Optional, Sequence
 
-from dht.cli import add_arguments, explicit_values, from_args
+from dht.cli import Parser, add_arguments, explicit_values, from_args
 from dht.errors import UserError
 from dht.node import DHTConfig
 from peer.config import NodeConfig, RunConfig, SyncConfig
@@ -24,7 +23,7 @@ from peer.ops.report import fail
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m peer", description=__doc__.split("\n\n")[0],
         epilog="Run settings are shared by every peer of a run (the manifest); a joiner needs none of them.",
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from diloco_compression import CODECS
+
 from dht.cli import opt, require_non_negative, require_positive
 from peer.outer.schedule import cosine_factor, portable_cos
 from peer.presets import PRESETS

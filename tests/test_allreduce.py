@@ -6,11 +6,11 @@ import signal
 
 import pytest
 import torch
+from diloco_compression import get_codec
 from hivemind.p2p import P2P
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
-from diloco_compression import get_codec
 from dht.node import LOOPBACK, DHTConfig, start_dht
 from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.averager import SwarmAverager

@@ -5,9 +5,9 @@ import zlib
 import numpy as np
 import pytest
 import torch
-
 from diloco_compression import CODECS, get_codec
 from diloco_compression.feedback import ErrorFeedback
+
 from peer.config import RunConfig
 from peer.train.data import ByteTokenizer, load_corpus
 from peer.train.flat import FlatLayout

@@ -34,6 +34,24 @@ def test_malformed_multiaddr(command):
     assert_one_line_error(result, "malformed multiaddr '/ip4/10.0.0/tcp/31337'", "expected something like")
 
 
+@pytest.mark.parametrize("command", [("peer", "--model", "no-such-model"), ("peer", "status", "--bogus"),
+                                     ("dht", "--port", "1")])
+def test_a_bad_flag_is_one_line_naming_the_choices_and_help(command):
+    result = run_cli(sys.executable, "-m", *command)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    line = assert_one_line_error(result, "--help")
+    if "--model" in command:
+        assert "'no-such-model'" in line and "'tiny'" in line, line
+
+
+@pytest.mark.parametrize("command", ["peer", "dht"])
+def test_native_windows_is_refused_in_one_line_naming_wsl2_and_docker(command):
+    pretend = f"import sys, runpy; sys.platform = 'win32'; sys.argv = ['{command}']; runpy.run_module('{command}')"
+    result = run_cli(sys.executable, "-c", pretend)
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert_one_line_error(result, "native Windows is not supported", "WSL2", "docker")
+
+
 def test_multiaddr_without_peer_id():
     result = run_cli(*peer_command("--initial-peers", "/ip4/127.0.0.1/tcp/31337"))
     assert_one_line_error(result, "lacks the /p2p/<peer id> part")

@@ -22,6 +22,7 @@ import asyncio
 from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
+from diloco_compression import Codec
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode, GroupID
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo
@@ -29,7 +30,6 @@ from hivemind.p2p import P2P, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
-from diloco_compression import Codec
 from peer.averaging.robust import Offence, robust_mean
 from peer.hooks import REDUCE, SEND, Hooks
 from peer.swarm.failures import GroupLostMember

@@ -23,13 +23,13 @@ import multiprocessing as mp
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
+from diloco_compression import Codec
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
-from diloco_compression import Codec
 from dht import internals
 from dht.node import init_child_process
 from peer.averaging.allreduce import ExactAllReduceRunner

@@ -9,12 +9,12 @@ that was restarted with the same metrics file stays one line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from dht.cli import Parser
 from peer.ops.report import fail
 
 NEEDED = ("epoch", "time", "loss", "tokens", "group_size", "bytes_sent")
@@ -87,7 +87,7 @@ def plot(runs: Dict[str, List[dict]], out: Path) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m peer plot", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m peer plot", description=__doc__.split("\n\n")[0])
     parser.add_argument("metrics", nargs="+", type=Path, help="--metrics-file outputs, one per peer")
     parser.add_argument("-o", "--output", type=Path, default=Path("loss.png"), help="PNG to write (default loss.png)")
     args = parser.parse_args(argv)

@@ -11,7 +11,6 @@ which accepts no connections and never appears in the swarm's records itself.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import json
@@ -21,6 +20,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence
 
 from dht.addresses import parse_maddrs
+from dht.cli import Parser
 from dht.errors import UserError
 from peer.ops.report import fail, human_bytes
 
@@ -29,7 +29,7 @@ LOOKUP_TIMEOUT = 10.0
 
 
 def parse_args(argv: Optional[Sequence[str]]):
-    parser = argparse.ArgumentParser(prog="python -m peer status", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m peer status", description=__doc__.split("\n\n")[0])
     parser.add_argument("--initial-peers", nargs="+", required=True, help="multiaddrs of any peers of the swarm")
     parser.add_argument("--run-id", default="diloco", help="the run to show (default: diloco)")
     parser.add_argument("--run-token", default=os.environ.get("DILOCO_RUN_TOKEN"),

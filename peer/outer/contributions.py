@@ -15,7 +15,6 @@ from collections import deque
 from typing import Deque, List, Tuple
 
 import torch
-
 from diloco_compression import Codec
 from diloco_compression.feedback import CHUNK_VALUES
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
-
 from diloco_compression import get_codec
 from diloco_compression.feedback import ErrorFeedback, roundtrip
+
 from dht.addresses import parse_maddrs
 from dht.errors import UserError
 from dht.manifest import RunManifest, join_or_create, publish_manifest, run_namespace

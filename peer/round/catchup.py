@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
-
 from diloco_compression.feedback import ErrorFeedback
+
 from dht.records import PeerRecord
 from peer.config import RunConfig, SyncConfig
 from peer.outer.lineage import Lineage, Rebase, rebase_kind

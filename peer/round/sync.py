@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-
 from diloco_compression.feedback import ErrorFeedback
+
 from dht.errors import first_line
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import MATCHMAKING, Hooks

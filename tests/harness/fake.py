@@ -16,9 +16,9 @@ from types import SimpleNamespace
 from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-
 from diloco_compression import get_codec
 from diloco_compression.feedback import ErrorFeedback
+
 from dht.records import HEARTBEAT_SECONDS, PeerRecord
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import Hooks
