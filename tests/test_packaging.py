@@ -3,6 +3,7 @@
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +31,16 @@ def test_pyproject_lists_every_package_folder():
 def test_an_installed_copy_imports_its_own_codecs_past_a_standard_library_compression(tmp_path):
     """Python 3.14 puts its own ``compression`` package ahead of site-packages. A stand-in earlier on sys.path plays
     it here: the installed copy, run away from the repository, still finds its codecs, and ``python -m peer`` runs."""
-    target, stand_in = tmp_path / "site", tmp_path / "stdlib"
+    source, target, stand_in = tmp_path / "source", tmp_path / "site", tmp_path / "stdlib"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "peer", "dht", "compression"):  # a build writes into its source
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(ROOT / name, source / name)
     isolation = () if importlib.util.find_spec("setuptools") is None else ("--no-build-isolation",)
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *isolation,
-                    "--target", str(target), str(ROOT)], check=True, capture_output=True, timeout=240)
+                    "--target", str(target), str(source)], check=True, capture_output=True, timeout=240)
     (stand_in / "compression").mkdir(parents=True)
     (stand_in / "compression" / "__init__.py").write_text("STANDARD_LIBRARY = True\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(stand_in), str(target)))}
