@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     procs = [bootstrap]
     try:
         maddr = wait_until(lambda: (MADDR.findall(bootstrap.stdout) or [None])[0], 60, "the bootstrap node")
-        common = ["--initial-peers", maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--quiet",
+        common = ["--initial-peers", maddr, "--new-run", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--quiet",
                   "--max-rounds", str(args.rounds), *args.peer_args]
         peers = [PeerProc(common, log_dir, f"peer{i}") for i in range(args.peers)]
         procs += peers

@@ -113,7 +113,8 @@ def start_workers(swarm: Swarm, net: TestNetwork, system: str, preset: str, args
             proc = Proc(argv, log_dir, f"w{i}", wrap)
             proc.metrics_path = log_dir / f"w{i}.jsonl"
         else:
-            argv = [*peer_flags(args, preset, system), "--host-maddrs", host, "--initial-peers", swarm.maddr]
+            argv = [*peer_flags(args, preset, system), "--host-maddrs", host, "--initial-peers", swarm.maddr,
+                    "--new-run"]
             if args.checkpoints:  # written (and fsynced) on the training thread at every round's end
                 argv += ["--checkpoint-dir", str(log_dir / f"p{i}-checkpoint")]
             proc = PeerProc(argv, log_dir, f"p{i}", wrap)

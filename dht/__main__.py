@@ -16,6 +16,7 @@ import sys
 import threading
 from typing import Optional, Sequence, Tuple
 
+from dht.addresses import private_only_hint
 from dht.cli import Parser, add_arguments, from_args
 from dht.errors import UserError
 from dht.node import DHTConfig, start_dht, visible_maddrs
@@ -59,6 +60,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             write_atomically(maddr_file, "".join(f"{maddr}\n" for maddr in maddrs))
         print(f"bootstrap node {dht.peer_id} is up; pass one of the addresses above as --initial-peers",
               file=sys.stderr, flush=True)
+        hint = None if config.announce_maddrs else private_only_hint(maddrs)
+        if hint:
+            print(f"warning: {hint}", file=sys.stderr, flush=True)
         stop.wait()
         return 0
     except UserError as e:

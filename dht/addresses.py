@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Iterable, List
+import ipaddress
+from typing import Iterable, List, Optional, Sequence
 
 from hivemind.utils.multiaddr import Multiaddr
 from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
@@ -33,3 +34,25 @@ def parse_maddrs(texts: Iterable[str], *, flag: str, need_peer_id: bool) -> List
     """Parse a list of multiaddrs; commas and whitespace both separate addresses."""
     items = [part for text in texts for part in text.replace(",", " ").split()]
     return [parse_maddr(item, flag=flag, need_peer_id=need_peer_id) for item in items]
+
+
+def scope(maddr: str) -> int:
+    """How far an address reaches: 0 the internet (or a DNS name), 1 a private network, 2 this machine only."""
+    host = next((part for kind, part in zip(maddr.split("/")[1::2], maddr.split("/")[2::2])
+                 if kind in ("ip4", "ip6")), None)
+    if host is None:
+        return 0
+    ip = ipaddress.ip_address(host)
+    return 2 if ip.is_loopback else 0 if ip.is_global else 1
+
+
+def private_only_hint(maddrs: Sequence[str]) -> Optional[str]:
+    """One line for a node whose every address is private or loopback: peers elsewhere on the internet cannot
+    dial any of them (a cloud VM's private address, a LAN address), and the node cannot tell its public one. None
+    where one is public, or where all are loopback (a swarm on one machine, by choice)."""
+    if not maddrs or min(scope(m) for m in maddrs) != 1:
+        return None
+    port = next((m.split("/tcp/")[1].split("/")[0] for m in maddrs if "/tcp/" in m), "PORT")
+    return (f"these addresses are private: peers outside this network cannot dial them. If this machine has a "
+            f"public IP (a cloud VM, a forwarded port), restart with --announce-maddrs /ip4/<public ip>/tcp/{port} "
+            f"and a fixed port in --host-maddrs; others then pass that address with /p2p/<peer id>")

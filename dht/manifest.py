@@ -19,8 +19,9 @@ import collections
 import hashlib
 import hmac
 import json
+import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -30,6 +31,8 @@ from dht.errors import UserError
 
 PROTOCOL_VERSION = "ddl/1"
 MANIFEST_TTL = 3600.0  # seconds; every live peer re-publishes it each round, so it outlives no run by much
+RUNS_KEY = "diloco_runs"  # the public runs' names, one subkey each: what a joiner who named no such run is shown
+LOOK_SECONDS = 5.0  # how long a joiner looks for its run's manifest before it says there is none
 
 
 def manifest_key(run_id: str) -> str:
@@ -105,11 +108,24 @@ class RunManifest:
         return manifest if manifest.hash == record.get("hash") and manifest.verified() else None
 
 
-def publish_manifest(dht: hivemind.DHT, manifest: RunManifest, ttl: float = MANIFEST_TTL) -> bool:
+def publish_manifest(dht: hivemind.DHT, manifest: RunManifest, ttl: float = MANIFEST_TTL,
+                     listed_as: Optional[str] = None) -> bool:
+    """Store the manifest under the run's key; ``listed_as`` also names a public run in ``RUNS_KEY`` (a private
+    run's name stays out of it: its keys are secret)."""
     # JSON text: hivemind's schema validation takes no plain dict as a regular value (dht/validation.py)
     text = json.dumps(manifest.to_record(), sort_keys=True)
-    return bool(dht.store(manifest_key(manifest.run_id), text, get_dht_time() + ttl,
-                          subkey=fingerprint(manifest.creator)))
+    expiration = get_dht_time() + ttl
+    if listed_as is not None:
+        dht.store(RUNS_KEY, manifest.hash, expiration, subkey=listed_as, return_future=True)
+    return bool(dht.store(manifest_key(manifest.run_id), text, expiration, subkey=fingerprint(manifest.creator)))
+
+
+def runs_seen(dht: hivemind.DHT) -> List[str]:
+    """The names of the public runs whose peers listed them lately (``publish_manifest``)."""
+    found = dht.get(RUNS_KEY, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return sorted(name for name in found.value if isinstance(name, str))
 
 
 def fetch_manifest(dht: hivemind.DHT, run_id: str, run_key: Optional[str] = None) -> Optional[RunManifest]:
@@ -128,18 +144,34 @@ def fetch_manifest(dht: hivemind.DHT, run_id: str, run_key: Optional[str] = None
     return min(candidates, key=lambda m: (-votes[m.hash], m.hash))
 
 
-def join_or_create(dht: hivemind.DHT, proposal: RunManifest, run_key: Optional[str] = None) -> RunManifest:
-    """Adopt the run's manifest if one exists; otherwise sign and publish ``proposal``.
+def join_or_create(dht: hivemind.DHT, proposal: RunManifest, run_key: Optional[str] = None, create: bool = True,
+                   name: Optional[str] = None, listed: bool = True,
+                   look_seconds: float = LOOK_SECONDS) -> Tuple[RunManifest, bool]:
+    """Adopt the run's manifest if one exists; otherwise, with ``create``, sign and publish ``proposal``. Returns
+    the manifest and whether we created the run. ``name``: the run's name as the user typed it (``proposal``'s
+    run id is its namespace, which a private run's token changes). Without ``create``, a run that is not found
+    within ``look_seconds`` is a ``UserError`` naming the runs that are.
 
     Two peers that create the same run at once both publish and then both read back, and the same rule
     picks one manifest for both. With ``run_key``, only that creator's manifest is accepted.
     """
+    name = name or proposal.run_id
     existing = fetch_manifest(dht, proposal.run_id, run_key)
+    deadline = time.monotonic() + look_seconds
+    while existing is None and not create and time.monotonic() < deadline:
+        time.sleep(0.5)  # a DHT joined a moment ago may not have reached the peers that hold it yet
+        existing = fetch_manifest(dht, proposal.run_id, run_key)
     if existing is not None:
-        return existing
+        return existing, False
     if run_key is not None:
-        raise UserError(f"run '{proposal.run_id}' has no manifest signed by the --run-key you gave: check the key "
+        raise UserError(f"run '{name}' has no manifest signed by the --run-key you gave: check the key "
                         f"(the creator's `run key:` line), the --run-id, and that the run's peers are up")
+    if not create:
+        seen = [run for run in runs_seen(dht) if run != name]
+        private = " and --run-token" if proposal.run_id != name else ""
+        raise UserError(f"no run named '{name}' is reachable through these peers (runs seen: "
+                        f"{', '.join(seen) or 'none'}); check --run-id{private}, or pass --new-run to start it")
     signed = proposal if proposal.verified() else proposal.signed()
-    publish_manifest(dht, signed)
-    return fetch_manifest(dht, proposal.run_id) or signed
+    publish_manifest(dht, signed, listed_as=name if listed else None)
+    chosen = fetch_manifest(dht, proposal.run_id) or signed
+    return chosen, chosen.hash == signed.hash and chosen.creator == signed.creator

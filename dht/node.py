@@ -23,7 +23,7 @@ from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from dht import internals
-from dht.addresses import parse_maddrs
+from dht.addresses import parse_maddrs, scope
 from dht.cli import opt, require_positive
 from dht.errors import UserError, first_line
 from dht.validation import adopt_identity, signer
@@ -217,9 +217,9 @@ def explain_daemon_error(message: str, config: DHTConfig) -> str:
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list:
-    """Addresses other peers can dial, best first (non-loopback before loopback)."""
+    """Addresses other peers can dial, best first: public, then private, then loopback (``scope``)."""
     maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
-    return sorted(set(maddrs), key=lambda m: ("/127.0.0.1/" in m or "/::1/" in m, m))
+    return sorted(set(maddrs), key=lambda m: (scope(m), m))
 
 
 async def _ping_peers(peer_ids: Tuple[str, ...], _dht, node) -> int:

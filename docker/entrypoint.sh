@@ -51,7 +51,8 @@ case "$role" in
             fi
         done
         dir="/ckpt/$(hostname)"
-        as_peer python -m peer --initial-peers "$maddr" --host-maddrs /ip4/0.0.0.0/tcp/31338 \
+        # --new-run: every replica starts the same way, and whichever comes first creates the run
+        as_peer python -m peer --initial-peers "$maddr" --new-run --host-maddrs /ip4/0.0.0.0/tcp/31338 \
             --checkpoint-dir "$dir" --metrics-file "$dir/metrics.jsonl" --quiet "$@"
         ;;
     *)

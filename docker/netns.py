@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(net.size):
             nat = ["--client-mode"] if i in net.behind_nat else []
             command = net.wrap(i, [python, "-m", "peer", "--host-maddrs", f"/ip4/{net.ip(i)}/tcp/31337", *nat])
-            lines.append(f"{net.namespace(i)} {net.ip(i)} {shlex.join(command)} --initial-peers <bootstrap multiaddr>")
+            lines.append(f"{net.namespace(i)} {net.ip(i)} {shlex.join(command)} --new-run "
+                         f"--initial-peers <bootstrap multiaddr>")
         shaped = f"{args.rate_mbit:g} Mbit/s each way per peer" if args.rate_mbit else "no rate limit"
         if net.emulated:
             shaped += f", {args.delay_ms:g} ms one way and {args.loss:g} loss between two peers"

@@ -120,6 +120,8 @@ class NodeConfig:
                                          "from it, so peers without it cannot find or join the run")
     run_key: Optional[str] = opt(None, "join only the run whose creator has this public key (its `run key:` "
                                        "line); without it, the manifest most live peers train with")
+    new_run: bool = opt(False, "with --initial-peers: start the run if the swarm has none by this name (without "
+                               "it, a name the swarm does not know is refused, so that a typo never starts a run)")
     checkpoint_dir: Optional[str] = opt(None, "write a checkpoint here every round and resume from it")
     checkpoint_every: float = opt(600.0, "also checkpoint mid-round once this many seconds passed since the last "
                                          "checkpoint, so that a crash loses at most that much of a round's work "

@@ -29,10 +29,24 @@ def two_nodes():
 
 def test_manifest_is_signed_shared_and_first_one_wins(two_nodes):
     first, second = two_nodes
-    created = join_or_create(first, RunManifest("run-a", {"model": "tiny", "lr": 0.001}))
-    assert created.verified() and created.settings == {"model": "tiny", "lr": 0.001}
-    assert join_or_create(second, RunManifest("run-a", {"model": "small"})) == created  # a joiner adopts it
+    created, new = join_or_create(first, RunManifest("run-a", {"model": "tiny", "lr": 0.001}))
+    assert new and created.verified() and created.settings == {"model": "tiny", "lr": 0.001}
+    # a joiner adopts it, asked to create or not
+    assert join_or_create(second, RunManifest("run-a", {"model": "small"})) == (created, False)
+    assert join_or_create(second, RunManifest("run-a", {"model": "small"}), create=False) == (created, False)
     assert fetch_manifest(second, "run-b") is None
+
+
+def test_a_run_name_nobody_trains_is_refused_naming_the_runs_there_are(two_nodes):
+    first, second = two_nodes
+    join_or_create(first, RunManifest("run-j", {"model": "tiny"}))
+    with pytest.raises(UserError, match=r"no run named 'run-k' is reachable through these peers \(runs seen: "
+                                        r"[^)]*run-j[^)]*\); check --run-id, or pass --new-run to start it"):
+        join_or_create(second, RunManifest("run-k", {}), create=False, look_seconds=0.5)
+    private = RunManifest("run-k-0123abcd", {})  # a private run's namespace differs from its name
+    with pytest.raises(UserError, match=r"check --run-id and --run-token"):
+        join_or_create(second, private, create=False, name="run-k", look_seconds=0.5)
+    assert join_or_create(second, RunManifest("run-k", {}), create=True)[1]  # --new-run
 
 
 def test_tampered_manifest_is_ignored(two_nodes):
@@ -197,7 +211,7 @@ def test_a_strangers_manifest_does_not_replace_the_run_and_run_key_pins_the_crea
     from dht.manifest import own_run_key
 
     first, second = two_nodes
-    real = join_or_create(first, RunManifest("run-h", {"model": "tiny"}))
+    real, _ = join_or_create(first, RunManifest("run-h", {"model": "tiny"}))
     publish_record(first, "run-h", PeerRecord(signing_peer_id(), 1, "h", 10, real.hash), get_dht_time() + 60)
     fake = RunManifest("run-h", {"model": "1b"}).signed(RSAPrivateKey())
     assert fake.verified() and publish_manifest(second, fake)
@@ -216,3 +230,14 @@ def test_a_hivemind_release_whose_internals_were_not_checked_is_refused_in_one_l
         internals.check_version("1.2.0")
     assert str(refused.value) == ("hivemind 1.2.0 is installed, but this peer relies on the internals of hivemind "
                                   "1.1.12: pip install hivemind==1.1.12")
+
+
+def test_addresses_are_ranked_by_reach_and_a_private_only_node_is_told_what_to_announce():
+    from dht.addresses import private_only_hint, scope
+
+    assert [scope(m) for m in ("/ip4/1.1.1.1/tcp/1", "/dns/example.org/tcp/1", "/ip4/10.1.2.3/tcp/1",
+                               "/ip4/100.64.0.9/tcp/1", "/ip4/127.0.0.1/tcp/1", "/ip6/::1/tcp/1")] == [0, 0, 1, 1, 2, 2]
+    hint = private_only_hint(["/ip4/10.1.2.3/tcp/31337/p2p/Qm", "/ip4/127.0.0.1/tcp/31337/p2p/Qm"])
+    assert "--announce-maddrs /ip4/<public ip>/tcp/31337" in hint
+    assert private_only_hint(["/ip4/1.1.1.1/tcp/31337/p2p/Qm", "/ip4/10.1.2.3/tcp/31337/p2p/Qm"]) is None
+    assert private_only_hint(["/ip4/127.0.0.1/tcp/31337/p2p/Qm"]) is None  # one machine, by choice

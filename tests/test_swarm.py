@@ -27,9 +27,10 @@ def test_three_peers_agree_learn_and_admit_a_joiner(swarm):
     decaying = ("--outer-lr-decay", "--lr-decay-steps", "50")
     peers = [swarm.peer(f"p{i}", *decaying) for i in range(3)]
     peers[0].wait_rounds(3, timeout=180)
-    joiner = swarm.peer("joiner", *decaying)
+    joiner = swarm.peer("joiner", *decaying, new_run=False)
     wait_until(lambda: joiner.reached(lambda m: sum(r["applied"] for r in m) >= 3), 240,
                "the joiner to apply 3 outer steps")
+    assert "joined run 'diloco' with 3 live peer(s)" in joiner.stderr, joiner.stderr[-3000:]
     for peer in peers + [joiner]:
         peer.signal(signal.SIGTERM)
     for peer in peers + [joiner]:

@@ -16,7 +16,7 @@ import dataclasses
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from diloco_compression import get_codec
@@ -66,6 +66,7 @@ class Parts:
     dht: Any
     peer_id: str
     manifest: RunManifest
+    created: bool  # we started the run (no manifest in the swarm before ours)
     run: RunConfig
     trainer: Any
     eval_batches: Any
@@ -102,7 +103,7 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         dht = start_dht(net, run_validators(namespace), check_identity=not fresh)
         closer.callback(_shut_down, dht)
         peer_id = dht.peer_id.to_base58()
-        manifest = resolve_manifest(dht, namespace, run_flags, node, net, payload)
+        manifest, created = resolve_manifest(dht, namespace, run_flags, node, net, payload)
         run = RunConfig.from_settings(dict(manifest.settings))
         reporter.trackers = Trackers.from_flags(node.tensorboard, node.wandb, name=f"{node.run_id}-{peer_id[-8:]}",
                                                 config=dict(manifest.settings, peer_id=peer_id))
@@ -118,10 +119,11 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         stream = corpus.stream(run.seed, peer_id, position)
         if island is not None:
             island.share(position)
-        parts = Parts(namespace=namespace, reporter=reporter, dht=dht, peer_id=peer_id, manifest=manifest, run=run,
-                      trainer=trainer, eval_batches=eval_batches, layout=layout, state=state, stream=stream,
-                      progress=progress, **_round_parts(run, sync, net, hooks, dht, namespace, manifest, peer_id,
-                                                        trainer, layout, state, payload, progress, closer))
+        parts = Parts(namespace=namespace, reporter=reporter, dht=dht, peer_id=peer_id, manifest=manifest,
+                      created=created, run=run, trainer=trainer, eval_batches=eval_batches, layout=layout, state=state,
+                      stream=stream, progress=progress,
+                      **_round_parts(run, sync, net, hooks, dht, namespace, manifest, peer_id, trainer, layout, state,
+                                     payload, progress, closer))
         parts.closer = closer.pop_all()  # from here on, Parts.close shuts everything down
         return parts
 
@@ -194,8 +196,9 @@ def _checkpoint_and_identity(node: NodeConfig, net: DHTConfig):
 
 
 def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeConfig, net: DHTConfig,
-                     payload: Optional[CheckpointPayload]) -> RunManifest:
-    """The run's manifest: the swarm's if it has one, else ours (from the checkpoint or the flags)."""
+                     payload: Optional[CheckpointPayload]) -> Tuple[RunManifest, bool]:
+    """The run's manifest: the swarm's if it has one, else ours (from the checkpoint or the flags); and whether
+    we created the run."""
     run_id = node.run_id
     if payload is not None:
         proposal = RunManifest.from_record(namespace, payload.manifest_record)
@@ -204,14 +207,17 @@ def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeC
                             f"older format?); use another --checkpoint-dir")
     else:
         proposal = RunManifest(namespace, RunConfig(**run_flags).to_settings())
+    listed = namespace == run_id  # a private run's name stays out of the public list of runs
     if net.initial_peers:
-        manifest = join_or_create(dht, proposal, node.run_key)
+        # a checkpoint proves the run existed: its peer may bring it back when the swarm has lost it
+        manifest, created = join_or_create(dht, proposal, node.run_key, create=node.new_run or payload is not None,
+                                           name=run_id, listed=listed)
     else:
-        manifest = proposal if proposal.verified() else proposal.signed()
+        manifest, created = (proposal if proposal.verified() else proposal.signed()), True
         if node.run_key is not None and manifest.creator != node.run_key.strip():
             raise UserError("--run-key names another creator, but this peer starts the run itself (no "
                             "--initial-peers): drop --run-key, or pass the run's --initial-peers")
-        publish_manifest(dht, manifest)
+        publish_manifest(dht, manifest, listed_as=run_id if listed else None)
     for name, value in run_flags.items():
         if manifest.settings.get(name) != value:
             raise UserError(
@@ -224,7 +230,7 @@ def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeC
             f"checkpoint in {node.checkpoint_dir} belongs to another configuration of run '{run_id}' "
             f"(manifest {payload.manifest_hash}, the swarm's is {manifest.hash}); use another --checkpoint-dir"
         )
-    return manifest
+    return manifest, created
 
 
 def restore(payload: CheckpointPayload, state: GlobalState, trainer, layout: FlatLayout, reporter: Reporter,

@@ -18,6 +18,9 @@ import threading
 import time
 from typing import Optional, Tuple
 
+from hivemind.utils import get_dht_time
+
+from dht.addresses import private_only_hint
 from dht.manifest import MANIFEST_TTL, publish_manifest
 from dht.node import DHTConfig, visible_maddrs
 from peer.config import NodeConfig, SyncConfig
@@ -29,7 +32,7 @@ from peer.round.metrics import round_record
 from peer.round.schedule import RoundClock
 from peer.round.sync import SyncResult
 from peer.swarm.clock import Clock
-from peer.swarm.consensus import LEAVING
+from peer.swarm.consensus import LEAVING, active, responsive
 from peer.train.island import Island, island_batches
 from peer.train.model import count_parameters
 
@@ -64,6 +67,12 @@ class Peer:
         self._drop_resumed_if_merged()
         self._publish()
         parts, run = self.parts, self.run
+        if parts.created:
+            self.reporter.info(f"created run '{self.node.run_id}': no peer of the swarm trained it before")
+        else:
+            others = [r for r in active(parts.cache.records.values(), parts.manifest.hash)
+                      if responsive(r, get_dht_time())]
+            self.reporter.info(f"joined run '{self.node.run_id}' with {len(others)} live peer(s)")
         self.reporter.info(
             f"peer {parts.peer_id} | run '{self.node.run_id}' ({parts.manifest.hash}) | {run.model}: "
             f"{count_parameters(parts.trainer.module) / 1e6:.1f}M parameters on {parts.trainer.device} | "
@@ -71,8 +80,12 @@ class Peer:
         self.reporter.info(f"run key (joiners may pin the run's creator with --run-key): {parts.manifest.creator}")
         if not self.net.client_mode:
             self.reporter.info("others join this run with --initial-peers and one of:")
-            for maddr in visible_maddrs(parts.dht):
+            maddrs = visible_maddrs(parts.dht)
+            for maddr in maddrs:
                 print(f"  {maddr}", flush=True)
+            hint = None if self.net.announce_maddrs else private_only_hint(maddrs)
+            if hint:
+                self.reporter.info(f"warning: {hint}")
 
     # ------------------------------------------------------------------ run
     def run_rounds(self) -> int:
@@ -229,7 +242,8 @@ class Peer:
             tokens_per_second=self.run.batch_size * self.run.seq_len * ranks / pace if pace else 0.0,
         )
         if time.monotonic() - self.manifest_published_at > MANIFEST_TTL / 4:
-            publish_manifest(self.parts.dht, self.parts.manifest)
+            public = self.parts.namespace == self.node.run_id
+            publish_manifest(self.parts.dht, self.parts.manifest, listed_as=self.node.run_id if public else None)
             self.manifest_published_at = time.monotonic()
 
     def _drop_resumed_if_merged(self) -> None:

@@ -170,11 +170,14 @@ class Swarm:
 
     def peer(self, name: str, *args: str, join: bool = True, namespace: Optional[int] = None,
              wrap: Callable[[List[str]], List[str]] = list, faults: Optional[str] = None,
-             byzantine: Optional[str] = None, metrics_path: Optional[Path] = None) -> PeerProc:
+             byzantine: Optional[str] = None, metrics_path: Optional[Path] = None,
+             new_run: bool = True) -> PeerProc:
         """``python -m peer`` with the swarm's defaults; ``wrap`` rewrites its command line (e.g. torchrun).
         ``faults`` (a fault plan, ``tests/harness/faults.py``) and ``byzantine`` (``misbehaviour.py``) run it under
-        the harness instead. ``metrics_path``: another metrics file than NAME.jsonl (a restart's, say)."""
-        extra = ["--initial-peers", self.maddr] if join else []
+        the harness instead. ``metrics_path``: another metrics file than NAME.jsonl (a restart's, say). Peers that
+        join start the run too if it is not there yet (``--new-run``: several start at once), unless not
+        ``new_run``."""
+        extra = ["--initial-peers", self.maddr, *(("--new-run",) if new_run else ())] if join else []
         host = self.host
         if namespace is not None:
             host, wrap = self.net.ip(namespace), lambda argv: self.net.wrap(namespace, argv)
