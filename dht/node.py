@@ -26,6 +26,7 @@ from dht import internals
 from dht.addresses import parse_maddrs, scope
 from dht.cli import opt, require_positive
 from dht.errors import UserError, first_line
+from dht.reach import serve_dial_back
 from dht.validation import adopt_identity, signer
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,9 @@ class DHTConfig:
     announce_maddrs: Tuple[str, ...] = opt((), "public multiaddrs to advertise, e.g. behind port forwarding")
     identity_path: Optional[str] = opt(None, "private key file that keeps the peer id (created if missing)")
     client_mode: bool = opt(False, "do not accept inbound connections (behind NAT without an open port)")
+    if_unreachable: str = opt("client", "when the peers asked at start cannot dial this one (behind NAT, a closed "
+                                        "port): switch to client mode (client), or only say so (warn)",
+                              choices=("client", "warn"))
     startup_timeout: float = opt(30.0, "seconds to wait for the p2p daemon to start and reach initial peers")
 
     def __post_init__(self):
@@ -151,7 +155,7 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
         if check_identity and initial_peers and config.identity_path and os.path.exists(config.identity_path):
             if asyncio.run(identity_taken(config.identity_path, initial_peers)):
                 raise P2PDaemonError("already taken by another peer")
-        return SwarmDHT(
+        dht = SwarmDHT(
             initial_peers=initial_peers,
             host_maddrs=list(config.host_maddrs),
             announce_maddrs=list(config.announce_maddrs) or None,
@@ -162,6 +166,9 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
             startup_timeout=config.startup_timeout,
             start=True,
         )
+        if not config.client_mode:
+            serve_dial_back(dht)  # others may ask whether they can be dialled (dht/reach.py)
+        return dht
     except P2PDaemonError as e:
         raise UserError(explain_daemon_error(str(e), config)) from None
     except TimeoutError:

@@ -49,6 +49,7 @@ class PeerRecord:
     busy_until: Optional[float] = None  # DHT time its current sync may last until (set while syncing)
     adopting: Optional[str] = None  # the hash of a state it is downloading now: it joins that state's next group
     client_mode: bool = False
+    reach: str = ""  # whether others could dial it when it started (dht/reach.py); "" from a peer that did not say
     bytes_per_round: int = 0
     heartbeat: float = 0.0  # seconds between the refreshes its peer promises while alive (0: none promised)
     updated_at: float = 0.0

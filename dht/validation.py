@@ -92,6 +92,7 @@ class PeerRecordModel(pydantic.BaseModel):
     busy_until: Optional[Number]
     adopting: Optional[pydantic.StrictStr]
     client_mode: pydantic.StrictBool
+    reach: pydantic.StrictStr
     bytes_per_round: pydantic.conint(strict=True, ge=0)
     heartbeat: Number
     updated_at: Number

@@ -71,7 +71,7 @@ def main(argv: Optional[Sequence[str]] = None, hooks=None) -> int:
                     return run_follower(island, node)
             parts = build_parts(run_flags, node, sync, net, island, hooks or Hooks())
             closing.callback(parts.close)
-            peer = Peer(parts, node, sync, net, island, hooks)
+            peer = Peer(parts, node, sync, island, hooks)
             closing.callback(peer.close)
             peer.join()
             return peer.run_rounds()

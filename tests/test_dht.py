@@ -241,3 +241,13 @@ def test_addresses_are_ranked_by_reach_and_a_private_only_node_is_told_what_to_a
     assert "--announce-maddrs /ip4/<public ip>/tcp/31337" in hint
     assert private_only_hint(["/ip4/1.1.1.1/tcp/31337/p2p/Qm", "/ip4/10.1.2.3/tcp/31337/p2p/Qm"]) is None
     assert private_only_hint(["/ip4/127.0.0.1/tcp/31337/p2p/Qm"]) is None  # one machine, by choice
+
+
+def test_the_addresses_a_reachability_check_dials_are_direct_and_loopback_only_on_one_machine():
+    from dht.reach import dialable
+
+    peer = "/p2p/12D3KooWDBJV7mB8f5u5TCSzMbmd7PnzRdKEjDKdALJoNXQ5yGbs"
+    circuit = f"/ip4/1.1.1.1/tcp/4001{peer}/p2p-circuit{peer}"
+    assert dialable([f"/ip4/127.0.0.1/tcp/31337{peer}", f"/ip4/192.168.1.2/tcp/31337{peer}", circuit]) == [
+        "/ip4/192.168.1.2/tcp/31337"]  # a checker's loopback is its own; a relay circuit proves nothing direct
+    assert dialable([f"/ip4/127.0.0.1/tcp/31337{peer}"]) == ["/ip4/127.0.0.1/tcp/31337"]

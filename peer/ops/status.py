@@ -103,7 +103,7 @@ def render(data: Dict[str, Any], initial_peers: Sequence[str]):
                                                                         "batch_size", "seq_len") if k in settings)))
     if data["peers"]:
         table = Table(show_edge=False, header_style="bold")
-        for column in ("peer", "status", "epoch", "loss", "tokens/s", "last seen", "mode", "sent/round", "state"):
+        for column in ("peer", "status", "epoch", "loss", "tokens/s", "last seen", "reach", "sent/round", "state"):
             table.add_column(column, justify="right" if column in ("epoch", "loss", "tokens/s", "last seen",
                                                                     "sent/round") else "left")
         forked = {h for hashes in data["forks"].values() for h in hashes}
@@ -112,7 +112,7 @@ def render(data: Dict[str, Any], initial_peers: Sequence[str]):
             table.add_row(
                 p["peer_id"][-10:], p["status"], str(p["epoch"]),
                 "-" if p["loss"] is None else f"{p['loss']:.3f}", f"{p['tokens_per_second']:,.0f}",
-                f"{p['last_seen_seconds']:.0f}s ago", "client" if p["client_mode"] else "server",
+                f"{p['last_seen_seconds']:.0f}s ago", "client" if p["client_mode"] else p.get("reach") or "server",
                 human_bytes(p["bytes_per_round"]) if p["bytes_per_round"] else "-",
                 Text(state, style="red" if p["state_hash"] in forked else ""),
             )

@@ -18,6 +18,7 @@ class Identity:
     peer_id: str
     manifest_hash: str  # the run configuration this peer trains (records of other configurations are ignored)
     client_mode: bool  # it accepts no connections: it reduces no parts and serves no state
+    reach: str = ""  # what the peers asked at its start found (dht/reach.py: direct, unreachable, unknown, client)
 
 
 class Announcer:
@@ -30,7 +31,7 @@ class Announcer:
         identity = self.identity
         return PeerRecord(peer_id=identity.peer_id, epoch=self.state.epoch, state_hash=self.state.hash(),
                           tokens_total=self.state.tokens_total, manifest_hash=identity.manifest_hash,
-                          client_mode=identity.client_mode, **fields)
+                          client_mode=identity.client_mode, reach=identity.reach, **fields)
 
     def announce(self, ttl: float, **fields) -> None:
         """Publish our record with these fields (schedule, loss, speed, status); re-sent after a rebase."""

@@ -22,7 +22,7 @@ from hivemind.utils import get_dht_time
 
 from dht.addresses import private_only_hint
 from dht.manifest import MANIFEST_TTL, publish_manifest
-from dht.node import DHTConfig, visible_maddrs
+from dht.node import visible_maddrs
 from peer.config import NodeConfig, SyncConfig
 from peer.hooks import CHECKPOINT, INNER, Hooks
 from peer.ops.checkpoint import CheckpointPayload
@@ -41,9 +41,9 @@ RECORD_TTL = 60.0  # seconds a peer record lives without a refresh (at least)
 
 
 class Peer:
-    def __init__(self, parts: Parts, node: NodeConfig, sync: SyncConfig, net: DHTConfig,
-                 island: Optional[Island] = None, hooks: Optional[Hooks] = None):
-        self.parts, self.node, self.sync_config, self.net = parts, node, sync, net
+    def __init__(self, parts: Parts, node: NodeConfig, sync: SyncConfig, island: Optional[Island] = None,
+                 hooks: Optional[Hooks] = None):
+        self.parts, self.node, self.sync_config, self.net = parts, node, sync, parts.net
         self.island = island  # rank 0 of a torchrun island: the other ranks train alongside, in lockstep
         self.hooks = hooks or Hooks()  # a test harness's fault plan or misbehaviour; no-ops otherwise
         self.run, self.state, self.progress, self.reporter = parts.run, parts.state, parts.progress, parts.reporter
@@ -67,12 +67,13 @@ class Peer:
         self._drop_resumed_if_merged()
         self._publish()
         parts, run = self.parts, self.run
+        reach = f"reach: {parts.reach.value}"  # what the peers asked at start found (dht/reach.py)
         if parts.created:
-            self.reporter.info(f"created run '{self.node.run_id}': no peer of the swarm trained it before")
+            self.reporter.info(f"created run '{self.node.run_id}': no peer of the swarm trained it before | {reach}")
         else:
             others = [r for r in active(parts.cache.records.values(), parts.manifest.hash)
                       if responsive(r, get_dht_time())]
-            self.reporter.info(f"joined run '{self.node.run_id}' with {len(others)} live peer(s)")
+            self.reporter.info(f"joined run '{self.node.run_id}' with {len(others)} live peer(s) | {reach}")
         self.reporter.info(
             f"peer {parts.peer_id} | run '{self.node.run_id}' ({parts.manifest.hash}) | {run.model}: "
             f"{count_parameters(parts.trainer.module) / 1e6:.1f}M parameters on {parts.trainer.device} | "
