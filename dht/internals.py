@@ -44,6 +44,13 @@ def connect(p2p: P2P, peer_id: PeerID, addresses: Sequence[Any] = ()) -> Awaitab
     return p2p._client.connect(peer_id, list(addresses))
 
 
+def add_daemon_flags(**flags: Any) -> None:
+    """Pass these flags to every p2p daemon this process starts from now on: p2pd has flags that ``P2P.create``
+    does not expose (``-relayDiscovery``). Call it in the process that starts the daemon."""
+    make = P2P._make_process_args
+    P2P._make_process_args = staticmethod(lambda *args, **kwargs: make(*args, **{**kwargs, **flags}))
+
+
 def disconnect(p2p: P2P, peer_id: PeerID) -> Awaitable[None]:
     """Close our daemon's connection to ``peer_id``, so that the next request dials afresh."""
     return p2p._client.disconnect(peer_id)

@@ -46,8 +46,11 @@ class DHTConfig:
     identity_path: Optional[str] = opt(None, "private key file that keeps the peer id (created if missing)")
     client_mode: bool = opt(False, "do not accept inbound connections (behind NAT without an open port)")
     if_unreachable: str = opt("client", "when the peers asked at start cannot dial this one (behind NAT, a closed "
-                                        "port): switch to client mode (client), or only say so (warn)",
-                              choices=("client", "warn"))
+                                        "port): switch to client mode (client); take a relayed address through "
+                                        "the initial peers and stay a full member (relay: see the README for "
+                                        "p2pd's relay limits); or only say so (warn)",
+                              choices=("client", "relay", "warn"))
+    relayed: bool = opt(False, "reachable through a relay circuit at the initial peers", cli=False)
     startup_timeout: float = opt(30.0, "seconds to wait for the p2p daemon to start and reach initial peers")
 
     def __post_init__(self):
@@ -97,11 +100,17 @@ def _spawn_daemon_detached() -> None:
 
 
 class SwarmDHT(hivemind.DHT):
-    """hivemind.DHT whose background process, and its p2p daemon, die with the process that started it."""
+    """hivemind.DHT whose background process, and its p2p daemon, die with the process that started it.
+    ``daemon_flags``: p2pd flags that hivemind does not expose."""
+
+    def __init__(self, *args, daemon_flags: Optional[dict] = None, **kwargs):
+        self.daemon_flags = daemon_flags or {}
+        super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         init_child_process()
         _spawn_daemon_detached()
+        internals.add_daemon_flags(**self.daemon_flags)
         # go-libp2p dials from its listening port (SO_REUSEPORT) unless told not to. Two peers that dial each
         # other at the same moment then open one TCP connection from both ends (a simultaneous open: the same
         # four addresses), both run the handshake as its initiator, and both dials fail ("noise: message is
@@ -165,6 +174,7 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
             record_validators=validators,
             startup_timeout=config.startup_timeout,
             start=True,
+            **(_relayed(initial_peers) if config.relayed else {}),
         )
         if not config.client_mode:
             serve_dial_back(dht)  # others may ask whether they can be dialled (dht/reach.py)
@@ -176,6 +186,14 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
             f"the DHT did not start within {config.startup_timeout:.0f}s; check that the initial peers "
             f"{' '.join(initial_peers) or '(none)'} are reachable, or raise --startup-timeout"
         ) from None
+
+
+def _relayed(relays: list) -> dict:
+    """hivemind's and p2pd's settings for a node nobody can dial, reachable through a circuit at ``relays``:
+    it reserves a slot with them at once (static relays: p2pd's discovery would first wait up to 3 minutes for
+    candidates), and advertises ``/p2p/<relay>/p2p-circuit`` addresses, which other peers dial through the relay."""
+    return dict(use_relay=True, use_auto_relay=True, force_reachability="private", trusted_relays=relays,
+                daemon_flags=dict(relayDiscovery=False))
 
 
 async def identity_taken(identity_path: str, initial_peers: list, timeout: float = IDENTITY_CHECK_SECONDS) -> bool:

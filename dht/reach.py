@@ -18,6 +18,7 @@ import asyncio
 import enum
 import functools
 import logging
+import time
 from typing import List, Sequence
 
 import hivemind
@@ -42,6 +43,7 @@ class Reach(str, enum.Enum):
     UNREACHABLE = "unreachable"  # every peer that answered failed to
     UNKNOWN = "unknown"  # nobody answered: no peer to ask, or none that serves the check
     CLIENT = "client"  # client mode: it dials out only, and nobody is asked
+    RELAYED = "relayed"  # nobody could dial it; others reach it through a relay circuit (--if-unreachable relay)
 
 
 def dialable(maddrs: Sequence[str]) -> List[str]:
@@ -105,3 +107,13 @@ def ask_to_dial_back(dht: hivemind.DHT, peer_ids: Sequence[str], timeout: float 
     if not answers:
         return Reach.UNKNOWN
     return Reach.DIRECT if any(answers) else Reach.UNREACHABLE
+
+
+def circuit_addresses(dht: hivemind.DHT, timeout: float = 15.0) -> List[str]:
+    """Our relay circuit addresses once the relays granted a reservation (none within ``timeout``: no relay would)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        circuits = [str(m) for m in dht.get_visible_maddrs(latest=True) if "/p2p-circuit" in str(m)]
+        if circuits or time.monotonic() > deadline:
+            return circuits
+        time.sleep(0.2)

@@ -75,12 +75,13 @@ def available() -> tuple[bool, str]:
 
 
 def _free_subnet() -> int:
-    """A random k in SUBNETS with no 10.k.x.x address or route on this host (other live networks use theirs).
+    """A random k in SUBNETS with no 10.k.x.x or 11.k.x.x address or route on this host (other live networks use
+    theirs).
 
     Checked, not reserved: two networks created in the same instant could, rarely, pick the same k.
     """
     used = _run(["ip", "-4", "-o", "addr", "show"]) + _run(["ip", "-4", "route", "show", "table", "all"])
-    taken = {int(k) for k in re.findall(r"(?<![\d.])10\.(\d+)\.", used)}
+    taken = {int(k) for k in re.findall(r"(?<![\d.])1[01]\.(\d+)\.", used)}
     free = [k for k in SUBNETS if k not in taken]
     if not free:
         raise RuntimeError(f"no free subnet 10.k.0.0/24 with k in {SUBNETS.start}..{SUBNETS.stop - 1}")
@@ -97,7 +98,7 @@ class TestNetwork:
     __test__ = False  # a helper, not a pytest test class
 
     def __init__(self, size: int, rate_mbit: float | None = None, delay_ms: float = 0.0, loss: float = 0.0,
-                 behind_nat: tuple[int, ...] = ()):
+                 behind_nat: tuple[int, ...] = (), routable: bool = False):
         if size < 1 or size >= HOST_OCTET:
             raise ValueError(f"size must be in 1..{HOST_OCTET - 1}, got {size}")
         if rate_mbit is not None and rate_mbit <= 0:
@@ -107,6 +108,9 @@ class TestNetwork:
         self.size, self.rate_mbit, self.delay_ms, self.loss = size, rate_mbit, delay_ms, loss
         self.emulated = bool(delay_ms or loss)  # TAP devices and forwarders instead of veth pairs
         self.behind_nat = frozenset(self._index(i) for i in behind_nat)
+        # 11.k.0.0/24 instead of 10.k.0.0/24: addresses libp2p takes for public ones, as a relay's must be (its
+        # autorelay drops private relay addresses); the range is routed only to this network's bridge
+        self.first_octet = 11 if routable else 10
         self._forwarders: list[subprocess.Popen] = []
         self.tag = secrets.token_hex(2)
         self.subnet = _free_subnet()
@@ -136,12 +140,12 @@ class TestNetwork:
 
     def public_ip(self, i: int) -> str:
         """Where namespace ``i``'s traffic comes from on the bridge: its own address, or its NAT router's."""
-        return f"10.{self.subnet}.0.{self._index(i) + 1}"
+        return f"{self.first_octet}.{self.subnet}.0.{self._index(i) + 1}"
 
     @property
     def host_ip(self) -> str:
         """The host's address on the bridge: a server bound here (or on 0.0.0.0) is reachable from every namespace."""
-        return f"10.{self.subnet}.0.{HOST_OCTET}"
+        return f"{self.first_octet}.{self.subnet}.0.{HOST_OCTET}"
 
     def namespace(self, i: int) -> str:
         """The name of namespace ``i`` (where its processes run), as ``ip netns`` knows it."""

@@ -302,3 +302,46 @@ def test_three_peers_over_slow_far_links_one_behind_nat_agree(tmp_path):
     assert assert_groups_agree(everyone) >= 3 * 3
     rounds = sorted(together(everyone, home_id))
     assert len(rounds) >= 3, f"fewer than 3 rounds with all 3 peers in one group on one state: {rounds}"
+
+
+@pytest.mark.slow
+def test_two_homes_behind_nat_train_as_full_members_through_a_relay_that_resets_them(tmp_path):
+    """Two peers, each behind its own NAT router with no port forwarded, and one reachable node: the bootstrap,
+    which relays. Nobody can dial the homes, so (--if-unreachable relay) each takes a relay circuit address and
+    stays a full member: both reduce parts, and every round that holds both applies one state hash. A third home
+    joins later and downloads the state from the other two through the relay.
+
+    The relay is p2pd's stock circuit relay: with no other public peer to confirm by AutoNAT that the relay is
+    public, p2pd's configurable relay service never starts, and the stock one resets every relayed connection
+    after 128 KiB each way or 2 minutes (dht/reach.py). The rounds and the download below carry several times
+    that per connection: rounds whose attempt a reset cuts retry on a fresh circuit, and the download comes in
+    64 KiB slices."""
+    from tests.harness.swarm import Swarm, assert_groups_agree, by_epoch, wait_until
+
+    def together(peers):
+        ids = {p.metrics[0]["peer_id"] for p in peers if p.metrics}
+        return [epoch for epoch, records in by_epoch(peers).items()
+                if len(records) == len(peers) == len(ids) and len({r["state_hash"] for r in records.values()}) == 1
+                and all(ids <= set(r["group"]) for r in records.values())]
+
+    relayed = ("--round-seconds", "4", "--compression", "int4-huffman", "--if-unreachable", "relay")
+    with TestNetwork(3, behind_nat=(0, 1, 2), routable=True) as network:
+        swarm = Swarm(tmp_path, network)
+        try:
+            homes = [swarm.peer(f"home{i}", *relayed, namespace=i) for i in range(2)]
+            wait_until(lambda: len(together(homes)) >= 3, 180, "3 rounds with both homes in one group")
+            late = swarm.peer("late", *relayed, namespace=2, new_run=False)
+            everyone = homes + [late]
+            wait_until(lambda: len(together(everyone)) >= 2, 180, "2 rounds with all 3 homes in one group")
+            for peer in everyone:
+                peer.signal(signal.SIGTERM)
+            for peer in everyone:
+                assert peer.wait(120) == 0, peer.stderr[-3000:]
+        finally:
+            swarm.close()
+    for peer in everyone:
+        assert "reach: relayed" in peer.stderr and "/p2p-circuit/" in peer.stderr, peer.stderr[-3000:]
+    assert "downloaded the swarm's state" in late.stderr, late.stderr[-3000:]
+    assert assert_groups_agree(everyone) >= 3 * 2 + 2 * 3
+    relayed_bytes = sum(r["bytes_sent"] for p in everyone for r in p.metrics)
+    assert relayed_bytes > 8 * 128 * 1024, relayed_bytes  # many times what one relayed connection carries

@@ -30,6 +30,9 @@ from peer.hooks import DONOR
 logger = logging.getLogger(__name__)
 
 STATE_SLICE = 1 << 22  # floats per slice of a state download (16 MiB): at least two slices per donor
+# from donors reachable only through a relay: a slice fits in what a stock p2pd relay carries per connection before
+# it resets it (128 KiB each way, dht/reach.py), so that each slice after a reset comes through on a fresh one
+RELAYED_SLICE = 1 << 14  # 64 KiB
 SNAPSHOT_IDLE = 30.0  # seconds a donor keeps a state snapshot after the last slice it served from it
 StateProvider = Callable[[], Tuple[Dict[str, Any], Sequence[torch.Tensor]]]
 
@@ -96,14 +99,15 @@ class StateSharing:
             if index == 0:
                 self.hooks.at(DONOR, int(metadata.get("epoch", 0)))  # a fault plan may strike mid-transfer
 
-    def download_state(self, donors: Sequence[str], state_hash: str, timeout: float, part_timeout: float
-                       ) -> Optional[Tuple[List[str], Dict, List[torch.Tensor]]]:
+    def download_state(self, donors: Sequence[str], state_hash: str, timeout: float, part_timeout: float,
+                       relayed: bool = False) -> Optional[Tuple[List[str], Dict, List[torch.Tensor]]]:
         """Download the state with ``state_hash`` from ``donors`` at once, a slice from each in turn; a donor
-        that fails or stalls is dropped and its slice taken from the others. Returns (donors used,
-        metadata, [G, m]), or None. The caller checks the hash."""
+        that fails or stalls is dropped and its slice taken from the others. ``relayed``: the donors are reachable
+        only through relays (small slices). Returns (donors used, metadata, [G, m]), or None. The caller checks the
+        hash."""
         future = MPFuture()
         internals.call_in_averager(self, "_download_state", donors=list(donors), state_hash=state_hash, timeout=timeout,
-                                   part_timeout=part_timeout, future=future)
+                                   part_timeout=part_timeout, relayed=relayed, future=future)
         try:
             return future.result(timeout=timeout + 10)
         except TimeoutError:  # the averager process is overloaded or stuck: a failed download, not a crash
@@ -112,19 +116,21 @@ class StateSharing:
             return None
 
     async def _download_state(self, donors: List[str], state_hash: str, timeout: float, part_timeout: float,
-                              future: MPFuture) -> None:
+                              relayed: bool, future: MPFuture) -> None:
         try:
-            result = await asyncio.wait_for(self._download_striped(donors, state_hash, part_timeout), timeout)
+            slice_size = RELAYED_SLICE if relayed else STATE_SLICE
+            result = await asyncio.wait_for(self._download_striped(donors, state_hash, part_timeout, slice_size),
+                                            timeout)
         except Exception as e:
             logger.info(f"state download failed: {e!r}")
             result = None
         if not future.done():
             future.set_result(result)
 
-    async def _download_striped(self, donors: List[str], state_hash: str, part_timeout: float):
+    async def _download_striped(self, donors: List[str], state_hash: str, part_timeout: float, slice_size: int):
         size = internals.averaged_tensors(self)[0].numel()  # G and m are each as large as the pseudo-gradient
         total = 2 * size
-        count = max(2 * len(donors), -(-total // STATE_SLICE))
+        count = max(2 * len(donors), -(-total // slice_size))
         bounds = [total * i // count for i in range(count + 1)]
         stubs: Dict[str, Any] = {}
 

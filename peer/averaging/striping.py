@@ -15,10 +15,13 @@ logger = logging.getLogger(__name__)
 async def stripe(donors: Sequence[str], count: int, fetch: Callable[[str, int], Awaitable[Any]], what: str
                  ) -> Dict[int, Tuple[str, Any]]:
     """Pieces 0..count-1 from every donor at once; returns {piece: (donor, value)}, every piece unless every donor
-    failed. ``fetch(donor, piece)`` raises to drop that donor."""
+    failed. ``fetch(donor, piece)`` raises to drop that donor; a donor whose last piece came through gets one more
+    try first: a relay resets a relayed connection once it carried its data limit (``dht/reach.py``), and the next
+    stream opens a fresh one."""
     pending, got, changed = deque(range(count)), {}, asyncio.Event()
 
     async def worker(donor: str) -> None:
+        delivered = False  # since its last failure
         while len(got) < count:
             if not pending:
                 changed.clear()
@@ -30,9 +33,14 @@ async def stripe(donors: Sequence[str], count: int, fetch: Callable[[str, int], 
             except Exception as e:
                 pending.appendleft(piece)
                 changed.set()
+                if delivered:
+                    delivered = False
+                    logger.debug(f"{what} from {donor} failed after a piece came through ({e!r}); once more")
+                    continue
                 logger.info(f"{what} from {donor} failed ({e!r}); taking its share from the others")
                 return
             got[piece] = (donor, value)
+            delivered = True
             changed.set()
 
     await asyncio.gather(*(worker(donor) for donor in donors))

@@ -27,7 +27,7 @@ from dht.addresses import parse_maddrs
 from dht.errors import UserError
 from dht.manifest import RunManifest, join_or_create, publish_manifest, run_namespace
 from dht.node import DHTConfig, signing_identity, start_dht, visible_maddrs
-from dht.reach import Reach, ask_to_dial_back, dialable
+from dht.reach import Reach, ask_to_dial_back, circuit_addresses, dialable
 from dht.validation import run_validators
 from peer.averaging.averager import SwarmAverager
 from peer.config import NodeConfig, RunConfig, SyncConfig
@@ -206,12 +206,22 @@ def _reachable_or_client(net: DHTConfig, validators, check_identity: bool) -> Tu
         logger.warning(f"no peer could dial this one at {addresses}: groups that pick it to reduce a part will "
                        f"fail; forward the port and pass --announce-maddrs, or drop --if-unreachable warn")
         return dht, net, reach
+    dht.shutdown()  # and again, with the same identity (ours, a moment ago): relayed, or in client mode
+    if net.if_unreachable == "relay":
+        relayed = dataclasses.replace(net, relayed=True)
+        dht = start_dht(relayed, validators, check_identity=False)
+        circuits = circuit_addresses(dht)
+        if circuits:
+            logger.warning(f"no peer could dial this one at {addresses} (behind NAT or a firewall): reachable "
+                           f"through a relay at {circuits[0]}")
+            return dht, relayed, Reach.RELAYED
+        dht.shutdown()
+        logger.warning(f"no peer could dial this one at {addresses}, and no initial peer granted it a relay slot")
     logger.warning(f"no peer could dial this one at {addresses} (behind NAT or a firewall): going on in client "
                    f"mode, which trains and sends its work but reduces no parts and serves no state; to be a full "
                    f"member, forward the port and pass --announce-maddrs")
-    dht.shutdown()
     net = dataclasses.replace(net, client_mode=True)
-    return start_dht(net, validators, check_identity=False), net, Reach.CLIENT  # our own identity, a moment ago
+    return start_dht(net, validators, check_identity=False), net, Reach.CLIENT
 
 
 def _shut_down(component) -> None:

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from diloco_compression.feedback import ErrorFeedback
 
+from dht.reach import Reach
 from dht.records import PeerRecord
 from peer.config import RunConfig, SyncConfig
 from peer.outer.lineage import Lineage, Rebase, rebase_kind
@@ -68,14 +69,15 @@ class StateCatchUp:
         best = choose_state(self.refresh().values(), self.announcer.record())
         if best is None:
             return CatchUp()
-        donors = [r.peer_id for r in self.cache.records.values()
-                  if r.state_hash == best.state_hash and not r.client_mode]
+        holders = [r for r in self.cache.records.values() if r.state_hash == best.state_hash and not r.client_mode]
+        direct = [r for r in holders if r.reach != Reach.RELAYED.value]  # a relay carries little, and slowly
+        donors = [r.peer_id for r in direct or holders]
         logger.info(f"swarm is at epoch {best.epoch} ({best.state_hash[:8]}), we are at {self.state.epoch}: "
                     f"downloading the state from {len(donors)} peer(s)")
         self.announcer.adopting(best.state_hash)  # its holders' next group expects us (``consensus.joining``)
         try:
             downloaded = self.transport.download(donors, best.state_hash, timeout=timeout,
-                                                 part_timeout=self.deadlines.part())
+                                                 part_timeout=self.deadlines.part(), relayed=not direct)
             if downloaded is None:
                 logger.warning("could not download the swarm's state from any holder; training on ours for now")
                 return CatchUp(unreachable=True)

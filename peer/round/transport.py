@@ -41,9 +41,10 @@ class Transport(Protocol):
     def watch(self, silent: Sequence[str]) -> None:
         """Ping these silent peers at every heartbeat and set ``answered`` when one answers."""
 
-    def download(self, donors: Sequence[str], state_hash: str, timeout: float,
-                 part_timeout: float) -> Optional[Downloaded]:
-        """The state with ``state_hash`` from these donors, unchecked; None if none of them served it."""
+    def download(self, donors: Sequence[str], state_hash: str, timeout: float, part_timeout: float,
+                 relayed: bool = False) -> Optional[Downloaded]:
+        """The state with ``state_hash`` from these donors, unchecked; None if none of them served it. ``relayed``:
+        they are reachable only through relays."""
 
     def buffers(self) -> ContextManager[List[torch.Tensor]]:
         """The averaged buffers ([delta] or [delta, moment]), held: the averager does not touch them meanwhile."""
@@ -101,9 +102,10 @@ class SwarmTransport:
     def watch(self, silent: Sequence[str]) -> None:
         self.publisher.reach = tuple(silent)  # and is noticed mid-round (``RoundClock.watch``)
 
-    def download(self, donors: Sequence[str], state_hash: str, timeout: float,
-                 part_timeout: float) -> Optional[Downloaded]:
-        return self.averager.download_state(donors, state_hash, timeout=timeout, part_timeout=part_timeout)
+    def download(self, donors: Sequence[str], state_hash: str, timeout: float, part_timeout: float,
+                 relayed: bool = False) -> Optional[Downloaded]:
+        return self.averager.download_state(donors, state_hash, timeout=timeout, part_timeout=part_timeout,
+                                            relayed=relayed)
 
     def buffers(self) -> ContextManager[List[torch.Tensor]]:
         return self.averager.get_tensors()

@@ -94,7 +94,7 @@ class FakeTransport:
     def watch(self, silent: Sequence[str]) -> None:
         self.watched = tuple(silent)
 
-    def download(self, donors, state_hash: str, timeout: float, part_timeout: float):
+    def download(self, donors, state_hash: str, timeout: float, part_timeout: float, relayed: bool = False):
         self.downloads.append((tuple(donors), state_hash))
         if state_hash not in self.served or not donors:
             return None
