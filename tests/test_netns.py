@@ -3,6 +3,7 @@
 Needs root; skipped otherwise. Servers and clients are tiny ``python -c`` scripts run inside namespaces.
 """
 
+import re
 import select
 import signal
 import subprocess
@@ -341,7 +342,8 @@ def test_two_homes_behind_nat_train_as_full_members_through_a_relay_that_resets_
             swarm.close()
     for peer in everyone:
         assert "reach: relayed" in peer.stderr and "/p2p-circuit/" in peer.stderr, peer.stderr[-3000:]
-    assert "downloaded the swarm's state" in late.stderr, late.stderr[-3000:]
+    # at its start, or at its first sync if its first read of the records came too early
+    assert re.search(r"adopted epoch \d+ \(\w+\), downloaded from [12] peer\(s\)", late.stderr), late.stderr[-3000:]
     assert assert_groups_agree(everyone) >= 3 * 2 + 2 * 3
     relayed_bytes = sum(r["bytes_sent"] for p in everyone for r in p.metrics)
     assert relayed_bytes > 8 * 128 * 1024, relayed_bytes  # many times what one relayed connection carries
