@@ -38,6 +38,7 @@ def whole_rounds(peers) -> List[Dict[str, dict]]:
 def run(mode: str, homes: int, rounds: int, log_dir: Path) -> dict:
     home_flags = ("--if-unreachable", "relay") if mode == "relayed" else ()
     with TestNetwork(homes + 1, behind_nat=tuple(range(1, homes + 1)), routable=True) as network:
+        (log_dir / mode).mkdir()
         swarm = Swarm(log_dir / mode, network)
         try:
             public = swarm.peer("public", *FLAGS, namespace=0)

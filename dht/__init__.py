@@ -6,6 +6,8 @@
 - ``node.py``       ``DHTConfig`` and ``start_dht``: start or join a swarm, stable identities, clear failures
 - ``manifest.py``   the run manifest: what a run trains and with which settings, plus its hash
 - ``records.py``    per-peer progress records (epoch, state hash, tokens, schedule) and the key schema
+- ``reach.py``      the dial-back check: can others dial this node? (and its relay circuit addresses)
+- ``joining.py``    ``start_reachable``: a peer's DHT, started again relayed or in client mode if nobody can dial it
 - ``platform.py``   the platforms a peer runs on; native Windows exits at once with one line naming WSL2 and docker
 - ``__main__.py``   ``python -m dht``: a bootstrap node that does not train
 """

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -25,9 +24,10 @@ from diloco_compression.feedback import ErrorFeedback, roundtrip
 
 from dht.addresses import parse_maddrs
 from dht.errors import UserError
+from dht.joining import start_reachable
 from dht.manifest import RunManifest, join_or_create, publish_manifest, run_namespace
-from dht.node import DHTConfig, signing_identity, start_dht, visible_maddrs
-from dht.reach import Reach, ask_to_dial_back, circuit_addresses, dialable
+from dht.node import DHTConfig, signing_identity
+from dht.reach import Reach
 from dht.validation import run_validators
 from peer.averaging.averager import SwarmAverager
 from peer.config import NodeConfig, RunConfig, SyncConfig
@@ -49,8 +49,6 @@ from peer.train.build import build_trainer
 from peer.train.flat import FlatLayout
 from peer.train.island import Island
 from peer.train.local import LocalModel
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,7 +104,7 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         payload, net = _checkpoint_and_identity(node, net)
         net, fresh = signing_identity(net)  # our records are signed with our peer id's own key
         namespace = run_namespace(node.run_id, node.run_token or os.environ.get("DILOCO_RUN_TOKEN"))
-        dht, net, reach = _reachable_or_client(net, run_validators(namespace), check_identity=not fresh)
+        dht, net, reach = start_reachable(net, run_validators(namespace), check_identity=not fresh)
         closer.callback(_shut_down, dht)
         peer_id = dht.peer_id.to_base58()
         manifest, created = resolve_manifest(dht, namespace, run_flags, node, net, payload)
@@ -126,9 +124,8 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         if island is not None:
             island.share(position)
         parts = Parts(namespace=namespace, reporter=reporter, dht=dht, peer_id=peer_id, net=net, reach=reach,
-                      manifest=manifest,
-                      created=created, run=run, trainer=trainer, eval_batches=eval_batches, layout=layout, state=state,
-                      stream=stream, progress=progress,
+                      manifest=manifest, created=created, run=run, trainer=trainer, eval_batches=eval_batches,
+                      layout=layout, state=state, stream=stream, progress=progress,
                       **_round_parts(run, sync, net, reach, hooks, dht, namespace, manifest, peer_id, trainer, layout,
                                      state, payload, progress, closer))
         parts.closer = closer.pop_all()  # from here on, Parts.close shuts everything down
@@ -184,44 +181,6 @@ def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, reach: Reach,
                                 hooks=hooks, initial_peer_ids=initial)
     return dict(feedback=feedback, averager=averager, transport=transport, cache=cache, announcer=announcer,
                 lineage=lineage, local=local, catchup=catchup, synchronizer=synchronizer, lock=lock, closer=closer)
-
-
-def _reachable_or_client(net: DHTConfig, validators, check_identity: bool) -> Tuple[Any, DHTConfig, Reach]:
-    """Start the DHT and ask the initial peers to dial us back (``dht/reach.py``). A peer nobody can dial would
-    stall every group that chose it to reduce a part or serve the state: by default (``--if-unreachable
-    client``) it starts again in client mode, which trains and sends its work but dials out only."""
-    dht = start_dht(net, validators, check_identity=check_identity)
-    if net.client_mode or not net.initial_peers:
-        return dht, net, Reach.CLIENT if net.client_mode else Reach.UNKNOWN
-    try:
-        reach = ask_to_dial_back(dht, [str(m["p2p"]) for m in parse_maddrs(net.initial_peers, flag="--initial-peers",
-                                                                          need_peer_id=True)])
-    except BaseException:
-        dht.shutdown()
-        raise
-    if reach is not Reach.UNREACHABLE:
-        return dht, net, reach
-    addresses = " ".join(dialable(visible_maddrs(dht)))
-    if net.if_unreachable == "warn":
-        logger.warning(f"no peer could dial this one at {addresses}: groups that pick it to reduce a part will "
-                       f"fail; forward the port and pass --announce-maddrs, or drop --if-unreachable warn")
-        return dht, net, reach
-    dht.shutdown()  # and again, with the same identity (ours, a moment ago): relayed, or in client mode
-    if net.if_unreachable == "relay":
-        relayed = dataclasses.replace(net, relayed=True)
-        dht = start_dht(relayed, validators, check_identity=False)
-        circuits = circuit_addresses(dht)
-        if circuits:
-            logger.warning(f"no peer could dial this one at {addresses} (behind NAT or a firewall): reachable "
-                           f"through a relay at {circuits[0]}")
-            return dht, relayed, Reach.RELAYED
-        dht.shutdown()
-        logger.warning(f"no peer could dial this one at {addresses}, and no initial peer granted it a relay slot")
-    logger.warning(f"no peer could dial this one at {addresses} (behind NAT or a firewall): going on in client "
-                   f"mode, which trains and sends its work but reduces no parts and serves no state; to be a full "
-                   f"member, forward the port and pass --announce-maddrs")
-    net = dataclasses.replace(net, client_mode=True)
-    return start_dht(net, validators, check_identity=False), net, Reach.CLIENT
 
 
 def _shut_down(component) -> None:

@@ -1,0 +1,52 @@
+"""How a peer takes its place in the swarm: its DHT node started, the initial peers asked whether they can dial it
+(``dht/reach.py``), and, if none can, started again relayed or in client mode (``--if-unreachable``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Tuple
+
+from dht.addresses import parse_maddrs
+from dht.node import DHTConfig, SwarmDHT, start_dht, visible_maddrs
+from dht.reach import Reach, ask_to_dial_back, circuit_addresses, dialable
+
+logger = logging.getLogger(__name__)
+
+
+def start_reachable(net: DHTConfig, validators, check_identity: bool) -> Tuple[SwarmDHT, DHTConfig, Reach]:
+    """Start the DHT and ask the initial peers to dial us back (``dht/reach.py``). A peer nobody can dial would
+    stall every group that chose it to reduce a part or serve the state: by default (``--if-unreachable
+    client``) it starts again in client mode, which trains and sends its work but dials out only."""
+    dht = start_dht(net, validators, check_identity=check_identity)
+    if net.client_mode or not net.initial_peers:
+        return dht, net, Reach.CLIENT if net.client_mode else Reach.UNKNOWN
+    try:
+        reach = ask_to_dial_back(dht, [str(m["p2p"]) for m in parse_maddrs(net.initial_peers, flag="--initial-peers",
+                                                                          need_peer_id=True)])
+    except BaseException:
+        dht.shutdown()
+        raise
+    if reach is not Reach.UNREACHABLE:
+        return dht, net, reach
+    addresses = " ".join(dialable(visible_maddrs(dht)))
+    if net.if_unreachable == "warn":
+        logger.warning(f"no peer could dial this one at {addresses}: groups that pick it to reduce a part will "
+                       f"fail; forward the port and pass --announce-maddrs, or drop --if-unreachable warn")
+        return dht, net, reach
+    dht.shutdown()  # and again, with the same identity (ours, a moment ago): relayed, or in client mode
+    if net.if_unreachable == "relay":
+        relayed = dataclasses.replace(net, relayed=True)
+        dht = start_dht(relayed, validators, check_identity=False)
+        circuits = circuit_addresses(dht)
+        if circuits:
+            logger.warning(f"no peer could dial this one at {addresses} (behind NAT or a firewall): reachable "
+                           f"through a relay at {circuits[0]}")
+            return dht, relayed, Reach.RELAYED
+        dht.shutdown()
+        logger.warning(f"no peer could dial this one at {addresses}, and no initial peer granted it a relay slot")
+    logger.warning(f"no peer could dial this one at {addresses} (behind NAT or a firewall): going on in client "
+                   f"mode, which trains and sends its work but reduces no parts and serves no state; to be a full "
+                   f"member, forward the port and pass --announce-maddrs")
+    net = dataclasses.replace(net, client_mode=True)
+    return start_dht(net, validators, check_identity=False), net, Reach.CLIENT
