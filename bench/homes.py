@@ -6,9 +6,8 @@ Network namespaces (docker/netns.py): one public peer, ``--homes`` peers each be
 forwarded, and the bootstrap node on the host, which relays. The same swarm runs twice, side by side in one
 command: with the homes on the default path (nobody can dial them, so they go on in client mode) and with
 ``--if-unreachable relay`` (full members through relay circuits). From the rounds that held every peer in one
-group, it reports the bytes each peer received a round: a member receives the parts of its share of the
-reduction from every other member, so the public peer's fraction of all bytes received is its share of the
-reducing.
+group, it reports the fraction of the vector each peer reduced (the metrics' ``reduced``) and the bytes it moved
+a round (state downloads served to homes that fell behind included).
 """
 
 from __future__ import annotations
@@ -52,14 +51,13 @@ def run(mode: str, homes: int, rounds: int, log_dir: Path) -> dict:
         finally:
             swarm.close()
     table = whole_rounds(peers)[-rounds:]
-    public_id = public.metrics[0]["peer_id"]
-    received = {pid: statistics.mean(records[pid]["bytes_received"] for records in table) for pid in table[0]}
-    sent = {pid: statistics.mean(records[pid]["bytes_sent"] for records in table) for pid in table[0]}
-    homes_received = [v for pid, v in received.items() if pid != public_id]
-    return dict(mode=mode, rounds=len(table), public_received=received[public_id], public_sent=sent[public_id],
-                home_received=statistics.mean(homes_received), home_sent=statistics.mean(
-                    v for pid, v in sent.items() if pid != public_id),
-                public_share=received[public_id] / sum(received.values()),
+    mean = lambda name, field: statistics.mean(records[name][field] for records in table)  # noqa: E731
+    homes = [name for name in table[0] if name != public.name]  # by_epoch keys records by peer name
+    return dict(mode=mode, rounds=len(table), public_reduced=mean(public.name, "reduced"),
+                home_reduced=statistics.mean(mean(name, "reduced") for name in homes),
+                public_bytes=(mean(public.name, "bytes_received"), mean(public.name, "bytes_sent")),
+                home_bytes=(statistics.mean(mean(name, "bytes_received") for name in homes),
+                            statistics.mean(mean(name, "bytes_sent") for name in homes)),
                 reach=sorted({line.split("reach: ")[1].split()[0] for p in peers[1:] for line in p.stderr.splitlines()
                               if "reach: " in line}))
 
@@ -75,12 +73,13 @@ def main(argv=None) -> int:
     lines = [f"`python -m bench.homes --homes {args.homes} --rounds {args.rounds}`: 1 public peer, {args.homes} "
              f"homes behind NAT, micro preset, int4-huffman; means over the last {args.rounds} rounds that held "
              f"every peer in one group on one state.", "",
-             "| homes | their reach | rounds | public peer: received / sent a round | a home: received / sent a round "
-             "| public peer's share of the reducing |", "|---|---|---|---|---|---|"]
+             "| homes | their reach | rounds | public peer reduces | each home reduces | public peer: received / "
+             "sent a round | a home: received / sent a round |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['mode']} | {', '.join(r['reach'])} | {r['rounds']} | {r['public_received'] / 1e3:,.1f} kB"
-                     f" / {r['public_sent'] / 1e3:,.1f} kB | {r['home_received'] / 1e3:,.1f} kB / "
-                     f"{r['home_sent'] / 1e3:,.1f} kB | {100 * r['public_share']:.0f}% |")
+        (pr, ps), (hr, hs) = r["public_bytes"], r["home_bytes"]
+        lines.append(f"| {r['mode']} | {', '.join(r['reach'])} | {r['rounds']} | {100 * r['public_reduced']:.0f}% | "
+                     f"{100 * r['home_reduced']:.0f}% | {pr / 1e3:,.1f} kB / {ps / 1e3:,.1f} kB | "
+                     f"{hr / 1e3:,.1f} kB / {hs / 1e3:,.1f} kB |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -394,7 +394,7 @@ class SimTransport:
     def buffers(self):
         yield self.peer.tensors
 
-    def download(self, donors, state_hash: str, timeout: float, part_timeout: float):
+    def download(self, donors, state_hash: str, timeout: float, part_timeout: float, relayed: bool = False):
         holders = [self.network.peers[d] for d in donors if d in self.network.peers]
         holders = [p for p in holders if p.alive and p.state.hash() == state_hash]
         self._round_trips(1)

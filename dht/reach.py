@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 PROTOCOL = "diloco.DialBack"
 ASK = 3  # peers asked at once
+CHECKS_AT_ONCE = 4  # throwaway daemons a checker runs at once
 DIAL_SECONDS = 5.0  # how long a checker's dial may take
 MAX_ADDRESSES = 8  # a request names at most this many addresses (a checker dials no list a stranger makes up)
 
@@ -59,7 +60,7 @@ async def _dial_back(checking: asyncio.Semaphore, request: averaging_pb2.Downloa
                      context: P2PContext) -> averaging_pb2.DownloadData:
     addresses = [Multiaddr(m) for m in MSGPackSerializer.loads(request.metadata)["maddrs"][:MAX_ADDRESSES]]
     reached = False
-    async with checking:  # one throwaway daemon at a time
+    async with checking:  # a few throwaway daemons at a time, however many peers start at once
         probe = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, auto_nat=False,
                                  nat_port_map=False, dht_mode="client", startup_timeout=10)
         try:
@@ -73,7 +74,7 @@ async def _dial_back(checking: asyncio.Semaphore, request: averaging_pb2.Downloa
 
 
 async def _serve(_dht, node) -> None:
-    handler = functools.partial(_dial_back, asyncio.Semaphore(1))
+    handler = functools.partial(_dial_back, asyncio.Semaphore(CHECKS_AT_ONCE))
     await internals.dht_p2p(node).add_protobuf_handler(PROTOCOL, handler, averaging_pb2.DownloadData)
 
 

@@ -2,6 +2,8 @@
 
 import sys
 
+import pytest
+
 from peer.presets import PRESETS
 from tests.harness.swarm import Proc, read_metrics, wait_until
 
@@ -34,6 +36,8 @@ def test_the_data_parallel_baseline_resumes_from_its_checkpoint(tmp_path):
     assert resumed["tokens_total"] >= saved[-1]["tokens_total"] + per_round, (resumed, saved, second.stderr[-3000:])
 
 
+# a simulated peer whose thread crashes fails the test
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_the_scale_simulation_runs_the_products_rounds_to_one_state_per_epoch_across_groups():
     """bench.scale runs the product's Synchronizer on a simulated network: 24 peers in groups of 8 under churn
     merge across 3 groups, and every epoch holds one state. (The figures are bench/results/scale.md's.)"""

@@ -334,7 +334,7 @@ def test_an_unreachable_holders_state_gets_one_more_attempts_time():
     downloads = []
     real_download = peer.transport.download
 
-    def download(donors, state_hash, timeout, part_timeout):
+    def download(donors, state_hash, timeout, part_timeout, relayed=False):
         downloads.append(peer.clock.now)
         # its link comes back after the others' deadline, when the settle would have given up
         if peer.clock.now - downloads[0] > peer.run.grace_seconds + peer.deadlines.allreduce() + 5:

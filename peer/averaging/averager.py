@@ -202,7 +202,8 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
                            if mode != AveragingMode.CLIENT]))
         return Averaged(gathered=gathered, aligned=count == 2, seconds=asyncio.get_event_loop().time() - started,
                         offences=self.bans.judge(runner.offences, runner.severe),
-                        groups=len(group_info.peer_ids) if self.round_phase == CROSS else 1)
+                        groups=len(group_info.peer_ids) if self.round_phase == CROSS else 1,
+                        reduced=float(peer_fractions[list(group_info.peer_ids).index(self.peer_id)]))
 
     def _read_gathered(self, peer_ids: Sequence[Any], user_bytes: Sequence[bytes]) -> Gathered:
         """Every member's word (a contribution; a delegation in the cross-group phase), and ``grouping.admit``'s

@@ -19,6 +19,7 @@ def round_record(parts, job, result, sync_seconds: float, eval_loss: Optional[fl
         rebased=result.rebased, applied=result.applied, attempts=result.attempts, aligned=result.aligned,
         lr=stats.lr, tokens_per_second=stats.tokens / max(stats.compute_seconds, 1e-9), error=result.error,
         outcome=result.outcome.value if result.outcome is not None else None,
-        offences=result.offences, peak_memory_bytes=trainer.peak_memory(), device=str(trainer.device),
+        offences=result.offences, reduced=round(result.reduced, 4), peak_memory_bytes=trainer.peak_memory(),
+        device=str(trainer.device),
         overlap=overlap, sync_wall_seconds=job.finished - job.started, sync_deadline=job.budget,
     )

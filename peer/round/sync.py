@@ -61,6 +61,7 @@ class SyncResult:
     next_round_seconds: Optional[float] = None  # the group's agreed length of the next inner phase
     round_end: Optional[float] = None  # overlap: the group's agreed end (DHT time) of the round in progress
     offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
+    reduced: float = 0.0  # the fraction of the group's vector we reduced in the all-reduce that applied
     groups: int = 0  # the groups whose work the applied round merged (1: one group; 0: none applied)
 
 
@@ -282,6 +283,7 @@ class Synchronizer:
             self.state.tokens_total += averaged.group_tokens()
             self.local.set(self.state.params)  # theta <- G (with overlap: plus the steps taken since)
         result.applied, result.aligned, result.offences = True, averaged.aligned, dict(averaged.offences)
+        result.reduced = averaged.reduced
         result.groups = averaged.groups
         result.outcome, result.error = Outcome.APPLIED, None
         result.group, result.group_tokens = tuple(sorted(gathered)), averaged.group_tokens()

@@ -110,6 +110,7 @@ class Averaged:
     seconds: float  # from the group formed to the averages received
     offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
     groups: int = 1  # the groups whose contributions it merged (a cross-group round: their delegates)
+    reduced: float = 0.0  # the fraction of the averaged vector this peer reduced (0 in client mode)
 
     def group_tokens(self) -> int:
         return sum(contribution.tokens for contribution in self.gathered.values())
