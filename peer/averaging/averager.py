@@ -203,7 +203,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         return Averaged(gathered=gathered, aligned=count == 2, seconds=asyncio.get_event_loop().time() - started,
                         offences=self.bans.judge(runner.offences, runner.severe),
                         groups=len(group_info.peer_ids) if self.round_phase == CROSS else 1,
-                        reduced=float(peer_fractions[list(group_info.peer_ids).index(self.peer_id)]))
+                        reduced=_share(peer_fractions, list(group_info.peer_ids).index(self.peer_id)))
 
     def _read_gathered(self, peer_ids: Sequence[Any], user_bytes: Sequence[bytes]) -> Gathered:
         """Every member's word (a contribution; a delegation in the cross-group phase), and ``grouping.admit``'s
@@ -230,3 +230,8 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         if runner is not None and runner.tensor_part_reducer.completed:
             return MaybeApplied(f"{message}, after our reducer averaged all its parts")
         return GroupLostMember(message)
+
+
+def _share(part_sizes: Sequence[float], index: int) -> float:
+    """The fraction of the vector that member ``index`` reduces (hivemind's load balancing gives part sizes)."""
+    return part_sizes[index] / max(1.0, sum(part_sizes))
