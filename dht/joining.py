@@ -1,5 +1,5 @@
-"""How a peer takes its place in the swarm: its DHT node started, the initial peers asked whether they can dial it
-(``dht/reach.py``), and, if none can, started again relayed or in client mode (``--if-unreachable``)."""
+"""How a peer takes its place in the swarm: the initial peers asked whether they can dial its DHT node
+(``dht/reach.py``), and, if none can, the node started again relayed or in client mode (``--if-unreachable``)."""
 
 from __future__ import annotations
 
@@ -14,19 +14,15 @@ from dht.reach import Reach, ask_to_dial_back, circuit_addresses, dialable
 logger = logging.getLogger(__name__)
 
 
-def start_reachable(net: DHTConfig, validators, check_identity: bool) -> Tuple[SwarmDHT, DHTConfig, Reach]:
-    """Start the DHT and ask the initial peers to dial us back (``dht/reach.py``). A peer nobody can dial would
+def reachable(dht: SwarmDHT, net: DHTConfig, validators) -> Tuple[SwarmDHT, DHTConfig, Reach]:
+    """Ask the initial peers to dial our started ``dht`` back (``dht/reach.py``). A peer nobody can dial would
     stall every group that chose it to reduce a part or serve the state: by default (``--if-unreachable
-    client``) it starts again in client mode, which trains and sends its work but dials out only."""
-    dht = start_dht(net, validators, check_identity=check_identity)
+    client``) it starts again in client mode, which trains and sends its work but dials out only. Returns the
+    DHT it runs (``dht`` itself, or a new one with ``dht`` shut down), its config and its reach."""
     if net.client_mode or not net.initial_peers:
         return dht, net, Reach.CLIENT if net.client_mode else Reach.UNKNOWN
-    try:
-        reach = ask_to_dial_back(dht, [str(m["p2p"]) for m in parse_maddrs(net.initial_peers, flag="--initial-peers",
-                                                                          need_peer_id=True)])
-    except BaseException:
-        dht.shutdown()
-        raise
+    reach = ask_to_dial_back(dht, [str(m["p2p"]) for m in parse_maddrs(net.initial_peers, flag="--initial-peers",
+                                                                      need_peer_id=True)])
     if reach is not Reach.UNREACHABLE:
         return dht, net, reach
     addresses = " ".join(dialable(visible_maddrs(dht)))

@@ -24,9 +24,9 @@ from diloco_compression.feedback import ErrorFeedback, roundtrip
 
 from dht.addresses import parse_maddrs
 from dht.errors import UserError
-from dht.joining import start_reachable
+from dht.joining import reachable
 from dht.manifest import RunManifest, join_or_create, publish_manifest, run_namespace
-from dht.node import DHTConfig, signing_identity
+from dht.node import DHTConfig, signing_identity, start_dht
 from dht.reach import Reach
 from dht.validation import run_validators
 from peer.averaging.averager import SwarmAverager
@@ -104,10 +104,15 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         payload, net = _checkpoint_and_identity(node, net)
         net, fresh = signing_identity(net)  # our records are signed with our peer id's own key
         namespace = run_namespace(node.run_id, node.run_token or os.environ.get("DILOCO_RUN_TOKEN"))
-        dht, net, reach = start_reachable(net, run_validators(namespace), check_identity=not fresh)
+        validators = run_validators(namespace)
+        dht = start_dht(net, validators, check_identity=not fresh)
         closer.callback(_shut_down, dht)
         peer_id = dht.peer_id.to_base58()
-        manifest, created = resolve_manifest(dht, namespace, run_flags, node, net, payload)
+        manifest, created = resolve_manifest(dht, namespace, run_flags, node, net, payload)  # the right run first
+        restarted, net, reach = reachable(dht, net, validators)
+        if restarted is not dht:  # relayed, or in client mode: the first one is shut down
+            dht = restarted
+            closer.callback(_shut_down, dht)
         run = RunConfig.from_settings(dict(manifest.settings))
         reporter.trackers = Trackers.from_flags(node.tensorboard, node.wandb, name=f"{node.run_id}-{peer_id[-8:]}",
                                                 config=dict(manifest.settings, peer_id=peer_id))
