@@ -17,7 +17,15 @@ import torch
 
 import tests.harness.swarm
 from docker import netns
-from tests.harness.swarm import PeerProc, Swarm, assert_groups_agree, assert_loss_fell, by_epoch, wait_until
+from tests.harness.swarm import (
+    PeerProc,
+    Swarm,
+    assert_all_leave,
+    assert_groups_agree,
+    assert_loss_fell,
+    by_epoch,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -244,10 +252,7 @@ def test_split_two_two_heals_to_one_state(tmp_path):
                 return len({r["state_hash"] for r in last}) == 1 and all(r["group_size"] == 4 for r in last)
 
             wait_until(one_group, 180, "all 4 in one group again")
-            for peer in peers:
-                peer.signal(signal.SIGTERM)
-            for peer in peers:
-                assert peer.wait(60) == 0, peer.stderr[-3000:]
+            assert_all_leave(peers, 60)
         finally:
             swarm.close()
 

@@ -5,7 +5,6 @@ Needs root; skipped otherwise. Servers and clients are tiny ``python -c`` script
 
 import re
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -272,7 +271,7 @@ def test_three_peers_over_slow_far_links_one_behind_nat_agree(tmp_path):
     does not start within the 10-s part deadline; the others wait out the 30-s all-reduce deadline), with or
     without the NAT member's part in it; the group is whole again from the next round. So the test waits for 3
     whole rounds instead of stopping after a fixed 5."""
-    from tests.harness.swarm import Swarm, assert_groups_agree, by_epoch, wait_until
+    from tests.harness.swarm import Swarm, assert_all_leave, assert_groups_agree, by_epoch, wait_until
 
     def together(peers, home_id):
         return [epoch for epoch, records in by_epoch(peers).items()
@@ -291,10 +290,7 @@ def test_three_peers_over_slow_far_links_one_behind_nat_agree(tmp_path):
             everyone = public + [home]
             home_id = wait_until(lambda: home.metrics and home.metrics[0]["peer_id"], 120, "home's first round")
             wait_until(lambda: len(together(everyone, home_id)) >= 3, 240, "3 rounds with all 3 peers in one group")
-            for peer in everyone:
-                peer.signal(signal.SIGTERM)
-            for peer in everyone:
-                assert peer.wait(120) == 0, peer.stderr[-3000:]
+            assert_all_leave(everyone, 120)
         finally:
             swarm.close()
     warning = f"no peer could dial this one at /ip4/{network.ip(2)}/tcp/"
@@ -317,7 +313,7 @@ def test_two_homes_behind_nat_train_as_full_members_through_a_relay_that_resets_
     after 128 KiB each way or 2 minutes (dht/reach.py). The rounds and the download below carry several times
     that per connection: rounds whose attempt a reset cuts retry on a fresh circuit, and the download comes in
     64 KiB slices."""
-    from tests.harness.swarm import Swarm, assert_groups_agree, by_epoch, wait_until
+    from tests.harness.swarm import Swarm, assert_all_leave, assert_groups_agree, by_epoch, wait_until
 
     def together(peers):
         ids = {p.metrics[0]["peer_id"] for p in peers if p.metrics}
@@ -334,10 +330,7 @@ def test_two_homes_behind_nat_train_as_full_members_through_a_relay_that_resets_
             late = swarm.peer("late", *relayed, namespace=2, new_run=False)
             everyone = homes + [late]
             wait_until(lambda: len(together(everyone)) >= 2, 180, "2 rounds with all 3 homes in one group")
-            for peer in everyone:
-                peer.signal(signal.SIGTERM)
-            for peer in everyone:
-                assert peer.wait(120) == 0, peer.stderr[-3000:]
+            assert_all_leave(everyone, 120)
         finally:
             swarm.close()
     for peer in everyone:

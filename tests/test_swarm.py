@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from tests.harness.swarm import Swarm, assert_groups_agree, assert_loss_fell, by_epoch, wait_until
+from tests.harness.swarm import Swarm, assert_all_leave, assert_groups_agree, assert_loss_fell, by_epoch, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -31,10 +31,7 @@ def test_three_peers_agree_learn_and_admit_a_joiner(swarm):
     wait_until(lambda: joiner.reached(lambda m: sum(r["applied"] for r in m) >= 3), 240,
                "the joiner to apply 3 outer steps")
     assert "joined run 'diloco' with 3 live peer(s)" in joiner.stderr, joiner.stderr[-3000:]
-    for peer in peers + [joiner]:
-        peer.signal(signal.SIGTERM)
-    for peer in peers + [joiner]:
-        assert peer.wait(60) == 0, peer.stderr[-3000:]
+    assert_all_leave(peers + [joiner], 60)
 
     assert assert_groups_agree(peers + [joiner]) >= 5 * 3
     table = by_epoch(peers)
@@ -140,10 +137,7 @@ def test_work_merged_before_a_peer_died_is_not_sent_again_by_its_restart(swarm, 
                "the restart to apply a round with the survivor")
     assert "the swarm merged the work this peer resumed from its checkpoint" in restarted.stderr, \
         restarted.stderr[-3000:]
-    for peer in (survivor, restarted):
-        peer.signal(signal.SIGTERM)
-    for peer in (survivor, restarted):
-        assert peer.wait(60) == 0, peer.stderr[-3000:]
+    assert_all_leave((survivor, restarted), 60)
     after = restarted.metrics
     index = next(i for i, r in enumerate(after) if r["applied"] and r["group_size"] == 2)
     epoch = after[index]["epoch"]
@@ -222,10 +216,7 @@ def test_a_swarm_larger_than_its_group_size_meets_in_groups_and_ends_each_round_
     peers = [swarm.peer(f"p{i}", "--group-size", "2") for i in range(5)]
     wait_until(lambda: all(p.reached(lambda m: sum(r["applied"] and r["groups"] >= 2 for r in m) >= 4)
                            for p in peers), 240, "every peer to apply 4 rounds merged across 2 groups")
-    for peer in peers:
-        peer.signal(signal.SIGTERM)
-    for peer in peers:
-        assert peer.wait(60) == 0, peer.stderr[-3000:]
+    assert_all_leave(peers, 60)
     assert assert_groups_agree(peers) >= 4 * 5 * 4
     merged = [r for p in peers for r in p.metrics if r["applied"] and r["groups"] >= 2]
     ids = {p.metrics[0]["peer_id"]: p for p in peers}

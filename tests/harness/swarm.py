@@ -226,6 +226,14 @@ def by_epoch(peers: List[PeerProc]) -> Dict[int, Dict[str, dict]]:
     return table
 
 
+def assert_all_leave(peers: List[PeerProc], timeout: float = 60) -> None:
+    """SIGTERM every peer at once, then each must leave cleanly (exit 0) within ``timeout`` seconds."""
+    for peer in peers:
+        peer.signal(signal.SIGTERM)
+    for peer in peers:
+        assert peer.wait(timeout) == 0, peer.stderr[-3000:]
+
+
 def assert_groups_agree(peers: List[PeerProc]) -> int:
     """In every epoch, all members of a group report the same state hash; returns rounds checked."""
     checked = 0
