@@ -71,8 +71,8 @@ class Peer:
         if parts.created:
             self.reporter.info(f"created run '{self.node.run_id}': no peer of the swarm trained it before | {reach}")
         else:
-            others = [r for r in active(parts.cache.records.values(), parts.manifest.hash)
-                      if responsive(r, get_dht_time())]
+            records = parts.cache.records or parts.catchup.refresh()  # the catch-up's read may have come too early
+            others = [r for r in active(records.values(), parts.manifest.hash) if responsive(r, get_dht_time())]
             self.reporter.info(f"joined run '{self.node.run_id}' with {len(others)} live peer(s) | {reach}")
         self.reporter.info(
             f"peer {parts.peer_id} | run '{self.node.run_id}' ({parts.manifest.hash}) | {run.model}: "
