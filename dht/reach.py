@@ -58,14 +58,19 @@ def dialable(maddrs: Sequence[str]) -> List[str]:
 # ---- the checker's side (every listening node serves it, in its DHT's process) ----
 async def _dial_back(checking: asyncio.Semaphore, request: averaging_pb2.DownloadData,
                      context: P2PContext) -> averaging_pb2.DownloadData:
-    addresses = [Multiaddr(m) for m in MSGPackSerializer.loads(request.metadata)["maddrs"][:MAX_ADDRESSES]]
     reached = False
+    try:
+        addresses = [Multiaddr(m) for m in MSGPackSerializer.loads(request.metadata)["maddrs"][:MAX_ADDRESSES]]
+    except Exception as e:  # a malformed request: nothing to dial
+        logger.debug(f"malformed dial-back request from {context.remote_id}: {e!r}")
+        addresses = []
     async with checking:  # a few throwaway daemons at a time, however many peers start at once
         probe = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, auto_nat=False,
                                  nat_port_map=False, dht_mode="client", startup_timeout=10)
         try:
-            await asyncio.wait_for(internals.connect(probe, context.remote_id, addresses), DIAL_SECONDS)
-            reached = True
+            if addresses:
+                await asyncio.wait_for(internals.connect(probe, context.remote_id, addresses), DIAL_SECONDS)
+                reached = True
         except Exception as e:  # refused, unroutable, timed out, or another peer id answered
             logger.debug(f"dial back to {context.remote_id} at {addresses} failed: {e!r}")
         finally:
