@@ -58,24 +58,28 @@ def dialable(maddrs: Sequence[str]) -> List[str]:
 # ---- the checker's side (every listening node serves it, in its DHT's process) ----
 async def _dial_back(checking: asyncio.Semaphore, request: averaging_pb2.DownloadData,
                      context: P2PContext) -> averaging_pb2.DownloadData:
-    reached = False
     try:
         addresses = [Multiaddr(m) for m in MSGPackSerializer.loads(request.metadata)["maddrs"][:MAX_ADDRESSES]]
     except Exception as e:  # a malformed request: nothing to dial
         logger.debug(f"malformed dial-back request from {context.remote_id}: {e!r}")
         addresses = []
+    reached = bool(addresses) and await _dial(checking, context.remote_id, addresses)
+    return averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(reached=reached)))
+
+
+async def _dial(checking: asyncio.Semaphore, peer_id: PeerID, addresses: List[Multiaddr]) -> bool:
+    """Can a fresh daemon, with no connection and no relay, dial ``peer_id`` at ``addresses``?"""
     async with checking:  # a few throwaway daemons at a time, however many peers start at once
         probe = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], use_relay=False, auto_nat=False,
                                  nat_port_map=False, dht_mode="client", startup_timeout=10)
         try:
-            if addresses:
-                await asyncio.wait_for(internals.connect(probe, context.remote_id, addresses), DIAL_SECONDS)
-                reached = True
+            await asyncio.wait_for(internals.connect(probe, peer_id, addresses), DIAL_SECONDS)
+            return True
         except Exception as e:  # refused, unroutable, timed out, or another peer id answered
-            logger.debug(f"dial back to {context.remote_id} at {addresses} failed: {e!r}")
+            logger.debug(f"dial back to {peer_id} at {addresses} failed: {e!r}")
+            return False
         finally:
             await probe.shutdown()
-    return averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(reached=reached)))
 
 
 async def _serve(_dht, node) -> None:
