@@ -66,27 +66,7 @@ class Peer:
             self.reporter.info(f"downloaded the swarm's state: epoch {self.state.epoch}, hash {self.state.hash()}")
         self._drop_resumed_if_merged()
         self._publish()
-        parts, run = self.parts, self.run
-        reach = f"reach: {parts.reach.value}"  # what the peers asked at start found (dht/reach.py)
-        if parts.created:
-            self.reporter.info(f"created run '{self.node.run_id}': no peer of the swarm trained it before | {reach}")
-        else:
-            records = parts.cache.records or parts.catchup.refresh()  # the catch-up's read may have come too early
-            others = [r for r in active(records.values(), parts.manifest.hash) if responsive(r, get_dht_time())]
-            self.reporter.info(f"joined run '{self.node.run_id}' with {len(others)} live peer(s) | {reach}")
-        self.reporter.info(
-            f"peer {parts.peer_id} | run '{self.node.run_id}' ({parts.manifest.hash}) | {run.model}: "
-            f"{count_parameters(parts.trainer.module) / 1e6:.1f}M parameters on {parts.trainer.device} | "
-            f"H={run.inner_steps} | {run.compression}")
-        self.reporter.info(f"run key (joiners may pin the run's creator with --run-key): {parts.manifest.creator}")
-        if not self.net.client_mode:
-            self.reporter.info("others join this run with --initial-peers and one of:")
-            maddrs = visible_maddrs(parts.dht)
-            for maddr in maddrs:
-                print(f"  {maddr}", flush=True)
-            hint = None if self.net.announce_maddrs else private_only_hint(maddrs)
-            if hint:
-                self.reporter.info(f"warning: {hint}")
+        say_who_we_are(self.parts, self.node.run_id, self.reporter)
 
     # ------------------------------------------------------------------ run
     def run_rounds(self) -> int:
@@ -308,3 +288,28 @@ def stop_on_signals(stop_requested: threading.Event, reporter) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
+
+
+def say_who_we_are(parts: Parts, run_id: str, reporter) -> None:
+    """The lines a peer starts with: whether it created or joined the run, and its reach; what it trains; its
+    run key; and the addresses others join with (a warning where all of them are private)."""
+    run, net = parts.run, parts.net
+    reach = f"reach: {parts.reach.value}"  # what the peers asked at start found (dht/reach.py)
+    if parts.created:
+        reporter.info(f"created run '{run_id}': no peer of the swarm trained it before | {reach}")
+    else:
+        records = parts.cache.records or parts.catchup.refresh()  # the catch-up's read may have come too early
+        others = [r for r in active(records.values(), parts.manifest.hash) if responsive(r, get_dht_time())]
+        reporter.info(f"joined run '{run_id}' with {len(others)} live peer(s) | {reach}")
+    reporter.info(f"peer {parts.peer_id} | run '{run_id}' ({parts.manifest.hash}) | {run.model}: "
+                  f"{count_parameters(parts.trainer.module) / 1e6:.1f}M parameters on {parts.trainer.device} | "
+                  f"H={run.inner_steps} | {run.compression}")
+    reporter.info(f"run key (joiners may pin the run's creator with --run-key): {parts.manifest.creator}")
+    if not net.client_mode:
+        reporter.info("others join this run with --initial-peers and one of:")
+        maddrs = visible_maddrs(parts.dht)
+        for maddr in maddrs:
+            print(f"  {maddr}", flush=True)
+        hint = None if net.announce_maddrs else private_only_hint(maddrs)
+        if hint:
+            reporter.info(f"warning: {hint}")
