@@ -60,7 +60,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             write_atomically(maddr_file, "".join(f"{maddr}\n" for maddr in maddrs))
         print(f"bootstrap node {dht.peer_id} is up; pass one of the addresses above as --initial-peers",
               file=sys.stderr, flush=True)
-        hint = None if config.announce_maddrs else private_only_hint(maddrs)
+        hint = private_only_hint(maddrs)  # announced public addresses are among them
         if hint:
             print(f"warning: {hint}", file=sys.stderr, flush=True)
         stop.wait()

@@ -310,6 +310,6 @@ def say_who_we_are(parts: Parts, run_id: str, reporter) -> None:
         maddrs = visible_maddrs(parts.dht)
         for maddr in maddrs:
             print(f"  {maddr}", flush=True)
-        hint = None if net.announce_maddrs else private_only_hint(maddrs)
+        hint = private_only_hint(maddrs)  # announced public addresses are among them
         if hint:
             reporter.info(f"warning: {hint}")
