@@ -47,6 +47,12 @@ def run_namespace(run_id: str, token: Optional[str]) -> str:
     return f"{run_id}-{hmac.new(token.encode(), run_id.encode(), hashlib.sha256).hexdigest()[:24]}"
 
 
+def listed_name(run_id: str, namespace: str) -> Optional[str]:
+    """The name a run is listed under in ``RUNS_KEY``: its own for a public run, none for a private one (whose
+    namespace, derived from its token, differs from its name: its keys are secret)."""
+    return run_id if namespace == run_id else None
+
+
 def own_run_key() -> str:
     """This process's public key, as a creator names itself in a manifest and a joiner pins it."""
     return RSAPrivateKey.process_wide().get_public_key().to_bytes().decode()

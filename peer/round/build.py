@@ -25,7 +25,7 @@ from diloco_compression.feedback import ErrorFeedback, roundtrip
 from dht.addresses import parse_maddrs
 from dht.errors import UserError
 from dht.joining import reachable
-from dht.manifest import RunManifest, join_or_create, publish_manifest, run_namespace
+from dht.manifest import RunManifest, join_or_create, listed_name, publish_manifest, run_namespace
 from dht.node import DHTConfig, signing_identity, start_dht
 from dht.reach import Reach
 from dht.validation import run_validators
@@ -216,17 +216,17 @@ def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeC
                             f"older format?); use another --checkpoint-dir")
     else:
         proposal = RunManifest(namespace, RunConfig(**run_flags).to_settings())
-    listed = namespace == run_id  # a private run's name stays out of the public list of runs
+    listed = listed_name(run_id, namespace)
     if net.initial_peers:
         # a checkpoint proves the run existed: its peer may bring it back when the swarm has lost it
         manifest, created = join_or_create(dht, proposal, node.run_key, create=node.new_run or payload is not None,
-                                           name=run_id, listed=listed)
+                                           name=run_id, listed=listed is not None)
     else:
         manifest, created = (proposal if proposal.verified() else proposal.signed()), True
         if node.run_key is not None and manifest.creator != node.run_key.strip():
             raise UserError("--run-key names another creator, but this peer starts the run itself (no "
                             "--initial-peers): drop --run-key, or pass the run's --initial-peers")
-        publish_manifest(dht, manifest, listed_as=run_id if listed else None)
+        publish_manifest(dht, manifest, listed_as=listed)
     for name, value in run_flags.items():
         if manifest.settings.get(name) != value:
             raise UserError(

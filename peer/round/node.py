@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 from hivemind.utils import get_dht_time
 
 from dht.addresses import private_only_hint
-from dht.manifest import MANIFEST_TTL, publish_manifest
+from dht.manifest import MANIFEST_TTL, listed_name, publish_manifest
 from dht.node import visible_maddrs
 from peer.config import NodeConfig, SyncConfig
 from peer.hooks import CHECKPOINT, INNER, Hooks
@@ -223,8 +223,8 @@ class Peer:
             tokens_per_second=self.run.batch_size * self.run.seq_len * ranks / pace if pace else 0.0,
         )
         if time.monotonic() - self.manifest_published_at > MANIFEST_TTL / 4:
-            public = self.parts.namespace == self.node.run_id
-            publish_manifest(self.parts.dht, self.parts.manifest, listed_as=self.node.run_id if public else None)
+            publish_manifest(self.parts.dht, self.parts.manifest,
+                             listed_as=listed_name(self.node.run_id, self.parts.namespace))
             self.manifest_published_at = time.monotonic()
 
     def _drop_resumed_if_merged(self) -> None:
