@@ -31,18 +31,19 @@ def reachable(dht: SwarmDHT, net: DHTConfig, validators) -> Tuple[SwarmDHT, DHTC
                        f"fail; forward the port and pass --announce-maddrs, or drop --if-unreachable warn")
         return dht, net, reach
     dht.shutdown()  # and again, with the same identity (ours, a moment ago): relayed, or in client mode
+    why = "behind NAT or a firewall"
     if net.if_unreachable == "relay":
         relayed = dataclasses.replace(net, relayed=True)
         dht = start_dht(relayed, validators, check_identity=False)
         circuits = circuit_addresses(dht)
         if circuits:
-            logger.warning(f"no peer could dial this one at {addresses} (behind NAT or a firewall): reachable "
-                           f"through a relay at {circuits[0]}")
+            logger.warning(f"no peer could dial this one at {addresses} ({why}): reachable through a relay at "
+                           f"{circuits[0]}")
             return dht, relayed, Reach.RELAYED
         dht.shutdown()
-        logger.warning(f"no peer could dial this one at {addresses}, and no initial peer granted it a relay slot")
-    logger.warning(f"no peer could dial this one at {addresses} (behind NAT or a firewall): going on in client "
-                   f"mode, which trains and sends its work but reduces no parts and serves no state; to be a full "
-                   f"member, forward the port and pass --announce-maddrs")
+        why += ", and no initial peer granted it a relay slot"
+    logger.warning(f"no peer could dial this one at {addresses} ({why}): going on in client mode, which trains "
+                   f"and sends its work but reduces no parts and serves no state; to be a full member, forward the "
+                   f"port and pass --announce-maddrs")
     net = dataclasses.replace(net, client_mode=True)
     return start_dht(net, validators, check_identity=False), net, Reach.CLIENT
