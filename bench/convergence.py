@@ -408,7 +408,8 @@ def plot(rows: List[Row], path: Path) -> None:
 def setup(args) -> str:
     numel = count_parameters(build_model(MODEL, 256, args.seq_len, 0))
     preset = PRESETS[MODEL]
-    from peer.train.data import ByteTokenizer, load_corpus
+    from peer.train.data import load_corpus
+    from peer.train.tokenizer import ByteTokenizer
 
     corpus = load_corpus("shakespeare", ByteTokenizer(), args.seq_len, RunConfig().eval_fraction)
     eval_tokens = min(len(corpus.held_out) // args.seq_len, args.eval_batches * args.batch_size) * args.seq_len

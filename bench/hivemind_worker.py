@@ -29,8 +29,9 @@ from hivemind.compression import Float16Compression
 
 from dht.node import DHTConfig, start_dht
 from peer.config import RunConfig
-from peer.train.data import load_corpus, load_tokenizer
+from peer.train.data import load_corpus
 from peer.train.model import build_model
+from peer.train.tokenizer import load_tokenizer
 
 AVERAGED = re.compile(r"Averaged parameters with (\d+) peers")
 

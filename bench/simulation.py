@@ -24,10 +24,11 @@ from diloco_compression.feedback import CHUNK_VALUES, ErrorFeedback, roundtrip
 from peer.averaging.robust import robust_mean
 from peer.config import RunConfig
 from peer.outer.nesterov import nesterov_step
-from peer.train.data import ByteTokenizer, load_corpus
+from peer.train.data import load_corpus
 from peer.train.flat import FlatLayout
 from peer.train.inner import InnerTrainer
 from peer.train.model import build_model
+from peer.train.tokenizer import ByteTokenizer
 
 
 @dataclass

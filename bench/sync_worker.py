@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from peer.config import RunConfig
 from peer.ops.checkpoint import load_checkpoint, save_checkpoint
-from peer.train.data import load_corpus, load_tokenizer
+from peer.train.data import load_corpus
 from peer.train.inner import InnerTrainer
 from peer.train.model import build_model
+from peer.train.tokenizer import load_tokenizer
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # outlasts a 30 s freeze: the job waits, as DDP does
 

@@ -4,6 +4,8 @@
     python -m peer --initial-peers /ip4/.../p2p/...     # join a run: its settings come from the swarm
     python -m peer status --initial-peers ...           # the swarm's peers, epochs, losses and forks
     python -m peer plot METRICS.jsonl... -o loss.png    # loss, group size and bytes per round, per peer
+    python -m peer export --checkpoint-dir DIR --out M  # the run's model as a Hugging Face model directory
+    python -m peer generate --model M --prompt "..."    # sample a continuation from it
     torchrun --nproc-per-node 8 -m peer ...             # one peer of 8 GPUs: data-parallel inside (an island)
 """
 
@@ -34,6 +36,10 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     args = parser.parse_args(argv)
     run_flags = explicit_values(args, RunConfig)
     RunConfig(**run_flags)  # validate now: a bad value is a one-line error before anything starts
+    if "model" in run_flags:
+        from peer.train.source import require_model_spec
+
+        require_model_spec(run_flags["model"])
     return run_flags, from_args(NodeConfig, args), from_args(SyncConfig, args), from_args(DHTConfig, args)
 
 
@@ -48,8 +54,10 @@ def setup_logging(verbose: bool) -> None:
 def main(argv: Optional[Sequence[str]] = None, hooks=None) -> int:
     """``hooks``: a test harness's (``peer/hooks.py``); a user's peer runs with the no-op ones."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("status", "plot"):
-        command = importlib.import_module(f"peer.ops.{argv[0]}")
+    commands = dict(status="peer.ops.status", plot="peer.ops.plot", export="peer.use.export",
+                    generate="peer.use.generate")
+    if argv and argv[0] in commands:
+        command = importlib.import_module(commands[argv[0]])
         return command.main(argv[1:])
     try:
         run_flags, node, sync, net = parse_args(argv)
@@ -61,6 +69,10 @@ def main(argv: Optional[Sequence[str]] = None, hooks=None) -> int:
     from peer.round.node import Peer
     from peer.train.build import run_follower
     from peer.train.island import Island
+    from peer.train.model import quiet_transformers
+
+    if not node.verbose:
+        quiet_transformers()
 
     with contextlib.ExitStack() as closing:  # on every path, in reverse: the peer leaves, its parts stop
         try:

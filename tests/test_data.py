@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from peer.train.data import ByteTokenizer, GPT2Tokenizer, HFCorpus, load_corpus, shakespeare_files
+from peer.train.data import HFCorpus, load_corpus, shakespeare_files
+from peer.train.tokenizer import ByteTokenizer, GPT2Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -34,14 +34,14 @@ def test_malformed_multiaddr(command):
     assert_one_line_error(result, "malformed multiaddr '/ip4/10.0.0/tcp/31337'", "expected something like")
 
 
-@pytest.mark.parametrize("command", [("peer", "--model", "no-such-model"), ("peer", "status", "--bogus"),
+@pytest.mark.parametrize("command", [("peer", "--compression", "no-such-codec"), ("peer", "status", "--bogus"),
                                      ("dht", "--port", "1")])
 def test_a_bad_flag_is_one_line_naming_the_choices_and_help(command):
     result = run_cli(sys.executable, "-m", *command)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
     line = assert_one_line_error(result, "--help")
-    if "--model" in command:
-        assert "'no-such-model'" in line and "'tiny'" in line, line
+    if "--compression" in command:
+        assert "'no-such-codec'" in line and "'fp16'" in line, line
 
 
 @pytest.mark.parametrize("command", ["peer", "dht"])

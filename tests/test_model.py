@@ -5,8 +5,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from peer.presets import PRESETS
-from peer.train.data import load_tokenizer
 from peer.train.model import build_model, count_parameters, model_config
+from peer.train.tokenizer import load_tokenizer
 
 
 @pytest.mark.parametrize("preset, low, high", [("tiny", 2e6, 5e6), ("small", 8e6, 15e6),

@@ -49,6 +49,7 @@ from peer.train.build import build_trainer
 from peer.train.flat import FlatLayout
 from peer.train.island import Island
 from peer.train.local import LocalModel
+from peer.train.source import copies_of, keep_tokenizer, localized, pinned
 
 
 @dataclass
@@ -113,11 +114,13 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         if restarted is not dht:  # relayed, or in client mode: the first one is shut down
             dht = restarted
             closer.callback(_shut_down, dht)
-        run = RunConfig.from_settings(dict(manifest.settings))
+        run = localized(RunConfig.from_settings(dict(manifest.settings)), run_flags)  # this node's model copies
+        if node.checkpoint_dir:
+            keep_tokenizer(run, node.checkpoint_dir)
         reporter.trackers = Trackers.from_flags(node.tensorboard, node.wandb, name=f"{node.run_id}-{peer_id[-8:]}",
                                                 config=dict(manifest.settings, peer_id=peer_id))
         if island is not None:  # the other ranks build the same trainer from the same settings
-            island.share(dict(settings=dict(manifest.settings), shard_key=peer_id))
+            island.share(dict(settings=dataclasses.asdict(run), shard_key=peer_id))
         corpus, trainer = build_trainer(run, node, island)
         eval_batches = corpus.eval_batches(run.eval_batches, run.batch_size)
         layout = FlatLayout(trainer.params)
@@ -215,7 +218,7 @@ def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeC
             raise UserError(f"checkpoint in {node.checkpoint_dir} holds no valid signed run manifest (an "
                             f"older format?); use another --checkpoint-dir")
     else:
-        proposal = RunManifest(namespace, RunConfig(**run_flags).to_settings())
+        proposal = RunManifest(namespace, pinned(RunConfig(**run_flags)).to_settings())
     listed = listed_name(run_id, namespace)
     if net.initial_peers:
         # a checkpoint proves the run existed: its peer may bring it back when the swarm has lost it
@@ -228,6 +231,8 @@ def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeC
                             "--initial-peers): drop --run-key, or pass the run's --initial-peers")
         publish_manifest(dht, manifest, listed_as=listed)
     for name, value in run_flags.items():
+        if name in copies_of(manifest.settings, run_flags):
+            continue  # where this node keeps its copy of the run's model or tokenizer: checked by ``localized``
         if manifest.settings.get(name) != value:
             raise UserError(
                 f"--{name.replace('_', '-')} {value} conflicts with run '{run_id}', which uses "

@@ -8,15 +8,16 @@ from typing import Optional
 import torch
 
 from peer.config import NodeConfig, RunConfig
-from peer.train.data import load_corpus, load_tokenizer
+from peer.train.data import load_corpus
 from peer.train.inner import InnerTrainer
 from peer.train.island import Island, island_batches
-from peer.train.model import build_model
+from peer.train.model import build_run_model
+from peer.train.tokenizer import load_tokenizer
 
 
 def build_trainer(run: RunConfig, node: NodeConfig, island: Optional[Island] = None):
     """The corpus and the inner trainer of ``run`` on this node's device (each rank of an island calls it)."""
-    tokenizer = load_tokenizer(run.tokenizer)
+    tokenizer = load_tokenizer(run.tokenizer)  # run is localized: this node's copy (peer/train/source.py)
     corpus = load_corpus(run.dataset, tokenizer, run.seq_len, run.eval_fraction, run.dataset_config,
                          text_field=run.text_field)
     if island is not None:
@@ -25,7 +26,7 @@ def build_trainer(run: RunConfig, node: NodeConfig, island: Optional[Island] = N
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(node.device)
-    model = build_model(run.model, tokenizer.vocab_size, run.seq_len, run.seed)
+    model = build_run_model(run, tokenizer.vocab_size)
     trainer = InnerTrainer(model, run, device, node.micro_batch, node.min_step_seconds, island=island,
                            compile=node.compile)
     return corpus, trainer

