@@ -108,3 +108,121 @@ def test_starting_from_pretrained_weights_evaluates_as_transformers_does(gpt2):
     with torch.no_grad():
         expected = sum(theirs(input_ids=b, labels=b).loss.item() for b in batches) / len(batches)
     assert trainer.evaluate(batches) == pytest.approx(expected, abs=1e-6)
+
+
+# ---------------------------------------------------------------- real peers
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    from tests.harness.swarm import Swarm
+
+    swarm = Swarm(tmp_path)
+    yield swarm
+    swarm.close()
+
+
+def held_out_loss(directory, run_args) -> float:
+    """What transformers itself says of an exported model, on the run's held-out batches."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from peer.train.data import load_corpus
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(directory).eval(), AutoTokenizer.from_pretrained(directory)
+    assert tokenizer.encode("ROMEO", add_special_tokens=False) == list(b"ROMEO")
+    corpus = load_corpus("shakespeare", ByteTokenizer(), run_args["seq_len"], RunConfig().eval_fraction)
+    batches = corpus.eval_batches(run_args["eval_batches"], run_args["batch_size"])
+    with torch.no_grad():
+        return sum(model(input_ids=b, labels=b).loss.item() for b in batches) / len(batches)
+
+
+@pytest.mark.slow
+def test_two_peers_train_a_hugging_face_model_bit_identically_then_export_and_sample_it(swarm, tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from tests.harness.swarm import assert_all_leave, assert_groups_agree, wait_until
+
+    model = tiny_model(tmp_path / "gpt2")
+    copy = shutil.copytree(model, tmp_path / "elsewhere")  # the joiner's own copy, at another path
+    checkpoint = tmp_path / "ckpt"
+    a = swarm.peer("a", "--model", str(model), "--eval-every", "1", "--checkpoint-dir", str(checkpoint))
+    wait_until(lambda: a.reached(lambda m: len(m) >= 1), 120, "a's first round")
+    b = swarm.peer("b", "--model", str(copy), "--eval-every", "1", new_run=False)
+    met = lambda m: sum(r["applied"] and len(r["group"]) == 2 for r in m) >= 3  # noqa: E731
+    wait_until(lambda: a.reached(met) and b.reached(met), 240, "a and b to average together 3 times")
+
+    # joiners with another model or tokenizer are refused in one line that names the difference
+    deeper = tiny_model(tmp_path / "deeper", n_layer=3)
+    tokenizer = ByteTokenizer().as_transformers()
+    tokenizer.add_special_tokens({"eos_token": "<|end|>"})
+    tokenizer.save_pretrained(tmp_path / "tok")
+    for name, flags, says in (("c", ("--model", str(deeper)), "n_layer 3 here, 2 in the run"),
+                              ("d", ("--model", str(copy), "--tokenizer", str(tmp_path / "tok")),
+                               "differs from the run's tokenizer")):
+        refused = swarm.peer(name, *flags, "--eval-every", "1", new_run=False)
+        assert refused.wait(120) == 2
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and says in errors[0], refused.stderr[-2000:]
+
+    # the swarm's state now, downloaded and hash-checked as a joiner would, while a and b train on
+    live = subprocess.run([sys.executable, "-m", "peer", "export", "--initial-peers", swarm.maddr, "--out",
+                           str(tmp_path / "live"), "--model", str(copy)], capture_output=True, text=True, timeout=240)
+    assert live.returncode == 0, live.stderr[-3000:]
+    exported_hash = re.search(r"at epoch \d+ \((\w+)", live.stdout).group(1)
+    assert_all_leave([a, b])
+    assert any(r["state_hash"].startswith(exported_hash) for r in a.metrics + b.metrics), live.stdout
+    assert assert_groups_agree([a, b]) >= 6  # every group of the two left it on one state hash
+
+    # a's checkpoint, exported: transformers' own loss on the held-out batches is a's eval_loss at that epoch
+    out = tmp_path / "exported"
+    done = subprocess.run([sys.executable, "-m", "peer", "export", "--checkpoint-dir", str(checkpoint), "--out",
+                           str(out)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    epoch = int(re.search(r"at epoch (\d+)", done.stdout).group(1))
+    evals = {r["epoch"]: r["eval_loss"] for r in a.metrics if r["applied"] and r["eval_loss"] is not None}
+    run_args = dict(seq_len=64, batch_size=4, eval_batches=2)  # the harness's FAST_RUN
+    assert held_out_loss(out, run_args) == pytest.approx(evals[epoch], abs=1e-5)
+    card = (out / "README.md").read_text()
+    assert f"| {epoch} |" in card and a.metrics[-1]["state_hash"] in card
+
+    for source in (("--model", str(out)), ("--checkpoint-dir", str(checkpoint))):
+        sampled = subprocess.run([sys.executable, "-m", "peer", "generate", *source, "--prompt", "ROMEO:",
+                                  "--max-new-tokens", "20"], capture_output=True, text=True, timeout=120)
+        assert sampled.returncode == 0 and sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) > 8, sampled
+
+
+@pytest.mark.slow
+def test_a_peer_starting_from_pretrained_weights_first_evaluates_them_as_transformers_does(swarm, tmp_path):
+    import re
+
+    from tests.harness.swarm import wait_until
+
+    model = tiny_model(tmp_path / "gpt2", seed=5)
+    lone = swarm.peer("lone", "--model", str(model), "--init-from-pretrained", "--max-rounds", "1", join=False)
+    assert lone.wait(120) == 0, lone.stderr[-3000:]
+    wait_until(lambda: "starting weights" in lone.stderr, 5, "the starting eval line")
+    first = float(re.search(r"held-out eval of the starting weights: ([\d.]+)", lone.stderr).group(1))
+    assert first == pytest.approx(held_out_loss(model, dict(seq_len=64, batch_size=4, eval_batches=2)), abs=1e-6)
+
+
+def test_a_hub_name_is_pinned_to_its_commit_and_loaded_from_the_hub_cache(gpt2, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--someorg--tiny"
+    shutil.copytree(gpt2, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    script = ("from peer.config import RunConfig; from peer.train.source import localized, pinned; "
+              "run = pinned(RunConfig(model='someorg/tiny')); print(run.revision, run.model_hash); "
+              "print(localized(run, {}).tokenizer)")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE="1")  # the hub as its cache has it
+    shown = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    revision, model_hash, tokenizer = shown.stdout.split()
+    assert revision == commit and model_hash == pinned(RunConfig(model=str(gpt2))).model_hash
+    assert tokenizer == str(repo / "snapshots" / commit)

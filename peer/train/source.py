@@ -55,7 +55,7 @@ def local_copy(spec: str, revision: Optional[str], flag: str = "--model") -> str
         return snapshot_download(spec, revision=revision, allow_patterns=list(HUB_FILES))
     except Exception as e:  # the hub raises many types for a missing name, revision or network
         raise UserError(f"{flag} {spec}: not a local directory, and the hub could not give it ({first_line(e, 120)}); "
-                        f"download it where the hub can be reached (huggingface-cli download {spec} --local-dir DIR) "
+                        f"download it where the hub can be reached (hf download {spec} --local-dir DIR) "
                         f"and pass {flag} DIR") from None
 
 
@@ -113,14 +113,18 @@ def tokenizer_copy(run, flags: Dict[str, Any]) -> str:
 
 
 def pinned(run):
-    """``run`` (resolved) with the pins of its Hugging Face model and tokenizer: what the creator signs."""
-    run = run.resolved()
+    """``run`` (resolved) with the pins of its Hugging Face model and tokenizer: what the creator signs. A Hugging
+    Face model's default context is no longer than its positions."""
+    default_context, run = run.seq_len is None, run.resolved()
     pins: Dict[str, Any] = {}
     if not is_preset(run.model):
         directory = local_copy(run.model, run.revision)
         config = config_dict(directory)
         pins.update(model_config=config, model_hash=content_hash(config),
                     revision=commit_of(directory) or run.revision)
+        positions = config.get("max_position_embeddings") or config.get("n_positions")
+        if default_context and positions:
+            pins["seq_len"] = min(run.seq_len, positions)
         if run.init_from_pretrained:
             pins["weights_hash"] = weights_hash(directory)
     elif run.init_from_pretrained:

@@ -101,7 +101,7 @@ def write(snapshot: Snapshot, out: str, evaluate: bool = True) -> Optional[float
     tokenizer.as_transformers().save_pretrained(out)
     loss = held_out_loss(model, run, tokenizer) if evaluate else None
     with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
-        f.write(model_card(snapshot, loss))
+        f.write(model_card(snapshot, loss, out))
     return loss
 
 
@@ -125,7 +125,7 @@ def held_out_loss(model, run, tokenizer) -> Optional[float]:
     return sum(losses) / len(losses) if losses else None
 
 
-def model_card(snapshot: Snapshot, loss: Optional[float]) -> str:
+def model_card(snapshot: Snapshot, loss: Optional[float], out: str) -> str:
     run = snapshot.run
     origin = "a fresh initialisation" if not run.init_from_pretrained else f"the weights of {run.model}"
     loss_text = f"{loss:.6f}" if loss is not None else "not measured"
@@ -149,8 +149,8 @@ held-out loss is the mean over the run's first {run.eval_batches} held-out batch
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-model = AutoModelForCausalLM.from_pretrained("PATH")
-tokenizer = AutoTokenizer.from_pretrained("PATH")
+model = AutoModelForCausalLM.from_pretrained("{out}")
+tokenizer = AutoTokenizer.from_pretrained("{out}")
 ```
 """
 
