@@ -230,10 +230,11 @@ def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeC
             raise UserError("--run-key names another creator, but this peer starts the run itself (no "
                             "--initial-peers): drop --run-key, or pass the run's --initial-peers")
         publish_manifest(dht, manifest, listed_as=listed)
+    # flags that say where this node keeps the run's model or tokenizer are checked against the pins by
+    # ``localized``, not compared as text
+    copies = copies_of(manifest.settings, run_flags)
     for name, value in run_flags.items():
-        if name in copies_of(manifest.settings, run_flags):
-            continue  # where this node keeps its copy of the run's model or tokenizer: checked by ``localized``
-        if manifest.settings.get(name) != value:
+        if name not in copies and manifest.settings.get(name) != value:
             raise UserError(
                 f"--{name.replace('_', '-')} {value} conflicts with run '{run_id}', which uses "
                 f"{name}={manifest.settings.get(name)}; drop the flag to join it, or pass another --run-id "

@@ -107,9 +107,11 @@ def load_tokenizer(name: str, revision: Optional[str] = None):
     return HFTokenizer(name, revision)
 
 
+@functools.lru_cache(maxsize=4)
 def tokenizer_hash(tokenizer) -> str:
     """What a tokenizer does, hashed: its vocabulary, its special tokens, and the ids of a probe text. Two copies
-    of one tokenizer agree whatever files they were saved as; a changed vocabulary or merge list does not."""
+    of one tokenizer agree whatever files they were saved as; a changed vocabulary or merge list does not. (Once per
+    tokenizer, which ``load_tokenizer`` loads once: the creator pins it, then checks its own copy.)"""
     tok = tokenizer.as_transformers()
     content = dict(vocab=sorted(tok.get_vocab().items()), special=sorted(map(str, tok.all_special_tokens)),
                    probe=tokenizer.encode(PROBE).tolist(), eos=tokenizer.eos_id)

@@ -10,7 +10,10 @@ The directory holds ``config.json``, the weights as safetensors, the tokenizer (
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence
 
@@ -69,16 +72,28 @@ def from_swarm(node, net, flags: Dict[str, Any], timeout: float = 120.0) -> Snap
 
     parts = build_parts(flags, node, SyncConfig(), dataclasses.replace(net, client_mode=True), None, Hooks())
     try:
-        caught = parts.catchup.catch_up(timeout=timeout)
-        holders = [r for r in parts.cache.records.values() if r.state_hash == parts.state.hash()]
-        if not caught.adopted and not holders:
-            raise UserError(f"no peer of run '{node.run_id}' served its state within {timeout:.0f} s; check that the "
-                            f"run's peers are up (python -m peer status --initial-peers ...)")
+        download(parts, node.run_id, timeout)
         parts.announcer.announce(60.0, status="left")  # nobody waits for us in a group
         return Snapshot(node.run_id, parts.manifest.hash, with_tokenizer(parts.run, flags), parts.state.params.clone(),
                         parts.state.epoch, parts.state.tokens_total, parts.state.hash())
     finally:
         parts.close()
+
+
+def download(parts, run_id: str, timeout: float) -> None:
+    """Adopt the swarm's best state, trying again until ``timeout``: a holder refuses a download of the state it
+    just left for the next epoch, and records read a moment before name that one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if parts.catchup.catch_up(timeout=max(1.0, deadline - time.monotonic())).adopted:
+            return
+        ours = parts.state.hash()  # at epoch 0, a fresh run's start: the state we built is the swarm's
+        if any(r.state_hash == ours for r in parts.cache.records.values() if r.peer_id != parts.peer_id):
+            return
+        if time.monotonic() >= deadline:
+            raise UserError(f"no peer of run '{run_id}' served its state within {timeout:.0f} s; check that the "
+                            f"run's peers are up (python -m peer status --initial-peers ...)")
+        time.sleep(1.0)  # the next round's records
 
 
 def write(snapshot: Snapshot, out: str, evaluate: bool = True) -> Optional[float]:
@@ -187,6 +202,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from peer.config import NodeConfig
 
             node = NodeConfig(run_id=args.run_id, run_token=args.run_token, run_key=args.run_key, quiet=True)
+            for noisy in ("peer", "hivemind"):  # a peer's lines ("training on ours for now") say nothing here
+                logging.getLogger(noisy).setLevel(logging.ERROR)
+            print(f"downloading the state of run '{args.run_id}' from the swarm (hash-checked)", file=sys.stderr,
+                  flush=True)
             snapshot = from_swarm(node, net, flags)
         loss = write(snapshot, args.out, evaluate=not args.no_eval)
     except (UserError, ValueError) as e:
