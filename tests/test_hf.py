@@ -245,3 +245,12 @@ def test_a_hugging_face_config_starts_from_the_same_seeded_weights_on_every_peer
     stream = corpus.stream(run.seed, "peer", 0)
     losses = [first.step(stream.next_batch(run.batch_size), lr=3e-3) for _ in range(5)]
     assert losses[-1] < losses[0]
+
+
+def test_the_default_context_fits_the_model_and_a_longer_one_is_one_line(gpt2):
+    from peer.train.model import build_run_model
+
+    run = localized(pinned(RunConfig(model=str(gpt2))), {})
+    assert run.seq_len == 128  # the model's n_positions, below the default 512
+    with pytest.raises(UserError, match="--seq-len 500 is longer than the model's 128 positions"):
+        build_run_model(dataclasses.replace(run, seq_len=500), 256)

@@ -8,7 +8,7 @@ import torch
 
 from dht.errors import UserError
 from peer.presets import PRESETS
-from peer.train.source import is_preset
+from peer.train.source import is_preset, positions
 
 
 def model_config(preset_name: str, vocab_size: int, seq_len: int):
@@ -52,10 +52,10 @@ def build_run_model(run, vocab_size: int) -> torch.nn.Module:
     if vocab_size > config.vocab_size:
         raise UserError(f"the tokenizer has {vocab_size} tokens but the model's vocabulary only {config.vocab_size}; "
                         f"pass the model's own --tokenizer, or a model built for this one")
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if positions and run.seq_len > positions:
-        raise UserError(f"--seq-len {run.seq_len} is longer than the model's {positions} positions; pass a "
-                        f"--seq-len of at most {positions}")
+    limit = positions(run.model_config)
+    if limit and run.seq_len > limit:
+        raise UserError(f"--seq-len {run.seq_len} is longer than the model's {limit} positions; pass a "
+                        f"--seq-len of at most {limit}")
     if run.init_from_pretrained:
         return AutoModelForCausalLM.from_pretrained(run.model, config=config, dtype=torch.float32)
     with torch.random.fork_rng(devices=[]):

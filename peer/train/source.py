@@ -76,6 +76,11 @@ def config_dict(directory: str) -> Dict[str, Any]:
     return {k: v for k, v in raw.items() if k not in VOLATILE}
 
 
+def positions(config: Dict[str, Any]) -> Optional[int]:
+    """The longest context a model's config allows (GPT-2 calls it ``n_positions``)."""
+    return config.get("max_position_embeddings") or config.get("n_positions")
+
+
 def weights_hash(directory: str) -> str:
     """SHA-256 over the weight files' bytes (safetensors, else PyTorch .bin), in name order."""
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors"))) or \
@@ -122,9 +127,8 @@ def pinned(run):
         config = config_dict(directory)
         pins.update(model_config=config, model_hash=content_hash(config),
                     revision=commit_of(directory) or run.revision)
-        positions = config.get("max_position_embeddings") or config.get("n_positions")
-        if default_context and positions:
-            pins["seq_len"] = min(run.seq_len, positions)
+        if default_context and positions(config):
+            pins["seq_len"] = min(run.seq_len, positions(config))
         if run.init_from_pretrained:
             pins["weights_hash"] = weights_hash(directory)
     elif run.init_from_pretrained:
