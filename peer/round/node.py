@@ -67,7 +67,9 @@ class Peer:
         self._drop_resumed_if_merged()
         self._publish()
         say_who_we_are(self.parts, self.node.run_id, self.reporter)
-        if self.state.epoch == 0 and not self.progress.rounds:  # the level the run starts from
+        if self.run.init_from_pretrained and self.state.epoch == 0 and not self.progress.rounds:
+            # the level pretrained weights start from (a fresh initialisation's is ln(vocabulary): nothing to say,
+            # and an evaluation here delays the first round, which a peer's groupmates wait for)
             self.reporter.info(f"held-out eval of the starting weights: "
                                f"{self.parts.trainer.evaluate(self.parts.eval_batches):.6f}")
 
