@@ -15,11 +15,16 @@ from peer.train.model import build_run_model
 from peer.train.tokenizer import load_tokenizer
 
 
+def run_corpus(run: RunConfig, tokenizer):
+    """The run's dataset, tokenized, with its held-out split: the same on every peer and in ``peer export``."""
+    return load_corpus(run.dataset, tokenizer, run.seq_len, run.eval_fraction, run.dataset_config,
+                       text_field=run.text_field)
+
+
 def build_trainer(run: RunConfig, node: NodeConfig, island: Optional[Island] = None):
     """The corpus and the inner trainer of ``run`` on this node's device (each rank of an island calls it)."""
     tokenizer = load_tokenizer(run.tokenizer)  # run is localized: this node's copy (peer/train/source.py)
-    corpus = load_corpus(run.dataset, tokenizer, run.seq_len, run.eval_fraction, run.dataset_config,
-                         text_field=run.text_field)
+    corpus = run_corpus(run, tokenizer)
     if island is not None:
         device = island.device
     elif node.device == "auto":

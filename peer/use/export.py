@@ -33,6 +33,7 @@ class Snapshot:
     epoch: int
     tokens_total: int
     state_hash: str
+    eval_batches: Optional[list] = None  # the run's held-out batches, when the exporter has built them already
 
 
 def from_checkpoint(directory: str, flags: Dict[str, Any]) -> Snapshot:
@@ -75,7 +76,7 @@ def from_swarm(node, net, flags: Dict[str, Any], timeout: float = 120.0) -> Snap
         download(parts, node.run_id, timeout)
         parts.announcer.announce(60.0, status="left")  # nobody waits for us in a group
         return Snapshot(node.run_id, parts.manifest.hash, with_tokenizer(parts.run, flags), parts.state.params.clone(),
-                        parts.state.epoch, parts.state.tokens_total, parts.state.hash())
+                        parts.state.epoch, parts.state.tokens_total, parts.state.hash(), parts.eval_batches)
     finally:
         parts.close()
 
@@ -114,29 +115,28 @@ def write(snapshot: Snapshot, out: str, evaluate: bool = True) -> Optional[float
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.as_transformers().save_pretrained(out)
-    loss = held_out_loss(model, run, tokenizer) if evaluate else None
+    loss = held_out_loss(model, run, tokenizer, snapshot.eval_batches) if evaluate else None
     with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
         f.write(model_card(snapshot, loss, out))
     return loss
 
 
-def held_out_loss(model, run, tokenizer) -> Optional[float]:
+def held_out_loss(model, run, tokenizer, batches: Optional[list] = None) -> Optional[float]:
     """The mean loss on the run's held-out batches, as a peer's ``eval_loss`` computes it; None if this machine
-    lacks the run's dataset."""
+    lacks the run's dataset. ``batches``: those batches, if built already (a download from the swarm built them)."""
     import torch
 
-    from peer.train.data import load_corpus
+    from peer.train.build import run_corpus
 
-    try:
-        corpus = load_corpus(run.dataset, tokenizer, run.seq_len, run.eval_fraction, run.dataset_config,
-                             text_field=run.text_field)
-    except UserError as e:
-        print(f"no held-out loss in the model card: {e}", flush=True)
-        return None
+    if batches is None:
+        try:
+            batches = run_corpus(run, tokenizer).eval_batches(run.eval_batches, run.batch_size)
+        except UserError as e:
+            print(f"no held-out loss in the model card: {e}", flush=True)
+            return None
     model.eval()
     with torch.no_grad():
-        losses = [model(input_ids=batch, labels=batch).loss.item()
-                  for batch in corpus.eval_batches(run.eval_batches, run.batch_size)]
+        losses = [model(input_ids=batch, labels=batch).loss.item() for batch in batches]
     return sum(losses) / len(losses) if losses else None
 
 
