@@ -32,6 +32,7 @@ from diloco_compression.feedback import roundtrip
 from dht.records import HEARTBEAT_SECONDS, PeerRecord
 from peer.averaging.results import FAILED, GROUP_ONLY, MINORITY, NO_MAJORITY, PENDING, READY
 from peer.averaging.robust import robust_mean
+from peer.round.transport import ABANDON_POLL
 from peer.swarm.clock import Clock
 from peer.swarm.failures import DelegateLost, GroupLostMember, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.grouping import admit
@@ -185,6 +186,7 @@ class Member:
     weight: float
     done: SimEvent
     outcome: object = None  # Averaged or an exception
+    forming: object = None  # the Forming it joined
 
 
 @dataclass
@@ -261,6 +263,7 @@ class Network:
             if dead:  # the liveness probe: a dead expected peer refuses every dial
                 self.scheduler.at(self.scheduler.now + PROBE_DELAY, lambda: self._shrink(forming, len(dead)))
         forming.members.append(member)
+        member.forming = forming
         if len(forming.members) >= forming.target:
             self._assemble(forming)
         return member
@@ -429,15 +432,20 @@ class SimTransport:
         if phase == "cross":
             self.network.result(self.peer.result_key)
 
-    def average(self, word, weight: float, timeout: float) -> Averaged:
+    def average(self, word, weight: float, timeout: float, abandon=lambda: False) -> Averaged:
         prepared = self.prepared
         early = max(0.0, (prepared["meet_at"] or 0.0) - self.scheduler.now)
         window = early + self.grace * (2 if prepared["phase"] == "cross" else 1)
         member = self.network.join(self.peer, prepared["key"], prepared["target"], prepared["min_group"], window,
                                    prepared["phase"], word, weight, prepared["probe"])
-        if not self.scheduler.block(until=self.scheduler.now + timeout, event=member.done):
-            member.outcome = member.outcome or TimeoutError("the sync deadline passed")
-            raise TimeoutError("the sync deadline passed")
+        deadline = self.scheduler.now + timeout
+        while not self.scheduler.block(until=min(deadline, self.scheduler.now + ABANDON_POLL), event=member.done):
+            if self.scheduler.now >= deadline:
+                member.outcome = member.outcome or TimeoutError("the sync deadline passed")
+                raise TimeoutError("the sync deadline passed")
+            if not member.forming.closed and abandon():  # as the product's transport polls, until its group forms
+                member.forming.members.remove(member)
+                raise NoGroup("the swarm's round ended without our group")
         if isinstance(member.outcome, BaseException):
             raise member.outcome
         return member.outcome

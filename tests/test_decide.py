@@ -182,7 +182,12 @@ def test_a_peer_whose_group_holds_nobody_else_goes_across_at_once():
     alone = next(name for name in (f"x{i}" for i in range(200)) if plan(names, name, MINE.epoch, 2)[1] == 1)
     lonely = dataclasses.replace(view(Phase.READY, *holders), mine=dataclasses.replace(MINE, peer_id=alone),
                                  group_size=2)
-    assert decide(lonely) == Action(Do.CROSS, expected=plan(names, alone, MINE.epoch, 2)[3])
+    assert decide(lonely) == Action(Do.CROSS, expected=plan(names, alone, MINE.epoch, 2)[3], voters=4)
+    # its group of one carries the electorate of four: if no other group's delegate comes, it is a minority and
+    # does not step alone (counting itself only, it did: a fork)
+    group = members(alone, voters=decide(lonely).voters)
+    assert decide(view(Phase.CROSSED, failure=Failure.NO_GROUP, group=group, crosses=1, groups=2)) == Action(
+        Do.FINISH, Outcome.NO_OTHER_GROUPS)
 
 
 def members(*names, voters=6, epoch=5):
@@ -214,6 +219,16 @@ def test_after_the_cross_group_phase():
     # no other group came, but ours is a majority of the peers at our state: it applies on its own
     assert decide(view(Phase.CROSSED, failure=Failure.NO_GROUP, group=members("me", "a", "b", "c"),
                        **crossed)) == Action(Do.APPLY, own_group=True)
+    # ours came late: the swarm's round ended without it (a live peer holds the next state), so it catches up,
+    # a majority or not, and stops there whether or not the catch-up adopts a state
+    ahead = peer("x", epoch=6, state="cc", tokens=900)
+    for group in (None, members("me", "a", "b", "c")):
+        assert decide(view(Phase.CROSSED, ahead, failure=Failure.NO_GROUP, group=group, **crossed)) == Action(
+            Do.CATCH_UP)
+    assert decide(view(Phase.CAUGHT_UP, ahead, caught_up=True, failure=Failure.NO_GROUP, **crossed)) == Action(
+        Do.FINISH, Outcome.MISSED_GROUP)
+    assert decide(view(Phase.CAUGHT_UP, ahead, caught_up=False, failure=Failure.NO_GROUP, **crossed)) == Action(
+        Do.FINISH, Outcome.NO_OTHER_GROUPS)
     assert decide(view(Phase.CROSSED, failure=Failure.LOST_MEMBER, **crossed)) == Action(Do.CROSS,
                                                                                         Outcome.LOST_MEMBER,
                                                                                         expected=3)

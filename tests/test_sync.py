@@ -438,6 +438,30 @@ def test_a_result_that_did_not_merge_our_delta_is_not_applied():
     assert "did not merge our delta" in result.error and torch.equal(peer.theta, theta)
 
 
+def test_a_late_groups_delegate_stops_waiting_once_the_swarm_moved_on_and_catches_up_keeping_its_work():
+    """Our group came late to the round: the other groups' delegates crossed without it and the swarm is one epoch
+    on. The delegate's matchmaking, asking as it waits, gives up at once, and it adopts the new state, rebased onto
+    it with our work kept for the next round; our groupmates stop waiting for its result."""
+    peer = many("d")
+    delta = peer.train()
+    before, seen = peer.hash(), {}
+
+    def the_others_applied_without_us(transport, *_):
+        seen["before"] = transport.abandon()  # nobody is ahead yet: keep waiting
+        seen["hash"] = peer.serve_next_state(torch.full((8,), 0.001), contributors=["h2", "h3", "h4", "h5"],
+                                             tokens=400, holders=["h2", "h3", "h4", "h5"])
+        seen["after"] = transport.abandon()
+        raise NoGroup("the swarm's round ended without our group")  # as the real transport then does
+
+    peer.transport.scripts.extend([with_group(("h1", groupmate(peer))), the_others_applied_without_us])
+    result = peer.sync()
+    assert (seen["before"], seen["after"]) == (False, True)
+    assert result.outcome is Outcome.MISSED_GROUP and result.rebased and not result.applied
+    assert peer.hash() == seen["hash"] != before
+    assert torch.allclose(peer.state.params - peer.theta, delta)  # theta = G_new - our delta: our work is kept
+    assert peer.transport.given_up == [(4, before)]
+
+
 def test_a_cross_group_retry_starts_from_the_groups_average_and_a_delegate_that_gives_up_says_so():
     peer = many("d")
     peer.train()

@@ -7,6 +7,8 @@ returns the facts of the next view (``Phase.CROSSED``, ``Phase.RECEIVED``). ``at
 
 from __future__ import annotations
 
+from typing import Callable
+
 from dht.errors import first_line
 from peer.averaging.averager import CROSS
 from peer.config import RunConfig
@@ -18,9 +20,13 @@ from peer.swarm.metadata import Averaged, Contribution, Delegation
 
 
 class Crossing:
-    def __init__(self, transport, clock: Clock, announcer: Announcer, deadlines: Deadlines, run: RunConfig):
+    def __init__(self, transport, clock: Clock, announcer: Announcer, deadlines: Deadlines, run: RunConfig,
+                 moved_on: Callable[[], bool] = lambda: False):
         self.transport, self.clock, self.announcer, self.deadlines, self.run = \
             transport, clock, announcer, deadlines, run
+        # a fresh look at the records: does a live peer hold a better state? Then the round our delegate waits for
+        # ended without our group (a late group's delegate meets nobody), and it stops waiting
+        self.moved_on = moved_on
 
     def _alone(self, contribution: Contribution, attempt) -> Averaged:
         """A group of one: our own delta, in the buffers, is its average."""
@@ -45,7 +51,8 @@ class Crossing:
                                    allreduce_timeout=self.deadlines.allreduce(size),
                                    part_timeout=self.deadlines.part(size), probe=(), phase=CROSS, meet_at=meet_at)
             attempt.averaged = self.transport.average(delegation, delegation.weight(),
-                                                      timeout=attempt.deadline - self.clock.monotonic())
+                                                      timeout=attempt.deadline - self.clock.monotonic(),
+                                                      abandon=self.moved_on)
         except Exception as e:
             attempt.detail = first_line(e)
             return dict(phase=Phase.CROSSED, failure=classify(e), crosses=attempt.crosses, groups=action.expected,

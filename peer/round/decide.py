@@ -21,9 +21,12 @@ The phases of a sync, and what each decides:
   all first catches up.
 - ``SETTLED``: a minority that adopted the majority's state is rebased; a maybe-applied attempt whose group did
   merge our delta is applied; else a retry.
-- ``CAUGHT_UP``, after a missed group: rebased if we adopted a state; retry at once if the holders of our state
-  just began syncing; after MAX_MISSED rounds stuck with nobody else voting at our state, step alone; else wait
-  for the next round.
+- ``CROSSED``, as our group's delegate: apply the round's average; after a lost member, cross again; if no other
+  group came, a majority group applies on its own, and a group whose round ended without it (the swarm moved on
+  while it was late) catches up.
+- ``CAUGHT_UP``, after a missed group (or a late group's cross): rebased if we adopted a state; after a cross,
+  nothing more; retry at once if the holders of our state just began syncing; after MAX_MISSED rounds stuck with
+  nobody else voting at our state, step alone; else wait for the next round.
 - ``AVERAGED``: apply the group's average, if every member held our state.
 
 Finishing outcomes are ``Outcome``s: the metrics' ``outcome``, and ``describe`` gives the line of text that the
@@ -209,12 +212,16 @@ def _ready(view: View) -> Action:
     if expected > 1:
         group, size, mates, groups = plan([r.peer_id for r in holders + joiners], view.mine.peer_id,
                                           view.mine.epoch, view.group_size, producers=len(view.producers))
-        if size == 1:  # nobody else meets in our group this round: we are its delegate at once
-            return Action(Do.CROSS, expected=groups)
+        electorate = voters(view.records, view.mine, view.now, producers=view.producers)
+        if size == 1:
+            # nobody else meets in our group this round: we are its delegate at once. Our group of one counts the
+            # same electorate as any group: counting only itself, a lone delegate whose cross met nobody took its
+            # group for a majority and stepped alone (a fork, seen under load)
+            return Action(Do.CROSS, expected=groups, voters=electorate)
         # a holder killed just now still has a fresh record: the averager asks the network whether it is gone
         probe = tuple(r.peer_id for r in holders if not r.client_mode and r.peer_id in mates)
         return Action(Do.AVERAGE, expected=expected, target=size, groups=groups, group=group if groups > 1 else -1,
-                      probe=probe, voters=voters(view.records, view.mine, view.now, producers=view.producers))
+                      probe=probe, voters=electorate)
     stalled = view.stuck + 1 >= MAX_MISSED
     if view.lookup_failed and not stalled:
         # stepping alone on a view that may be empty only because it is late would fork the run
@@ -269,6 +276,8 @@ def _caught_up(view: View) -> Action:
     """After a missed group (``Failure.NO_GROUP``) and the catch-up that followed it."""
     if view.caught_up:
         return Action(Do.FINISH, Outcome.MISSED_GROUP)
+    if view.crosses:  # our group's round is over: a new attempt would meet nobody
+        return Action(Do.FINISH, Outcome.NO_OTHER_GROUPS)
     if view.attempts <= view.retries:
         if view.holders_syncing is None:
             return Action(Do.LOOK_AT_HOLDERS)
@@ -302,6 +311,8 @@ def _crossed(view: View) -> Action:
     if view.gathered is not None:
         return Action(Do.FINISH, Outcome.STATE_MISMATCH) if _mismatch(view) else Action(Do.APPLY)
     if view.failure is Failure.NO_GROUP:  # no other group's delegate came: a majority group applies on its own
+        if peers_ahead(view.records, view.mine, view.now):
+            return Action(Do.CATCH_UP)  # unless the round ended without our group (it was late): the swarm moved on
         if view.group is not None and minority(view.group) is None:
             return Action(Do.APPLY, own_group=True)
         return Action(Do.FINISH, Outcome.NO_OTHER_GROUPS)

@@ -35,7 +35,7 @@ from peer.round.catchup import StateCatchUp
 from peer.round.cross import Crossing
 from peer.round.decide import Action, Do, Outcome, Phase, View, classify, decide, describe
 from peer.swarm.clock import Clock
-from peer.swarm.consensus import SYNCING, responsive
+from peer.swarm.consensus import SYNCING, peers_ahead, responsive
 from peer.swarm.deadlines import Deadlines
 from peer.swarm.metadata import Averaged, Contribution
 from peer.swarm.records import RecordCache
@@ -101,7 +101,7 @@ class Synchronizer:
         # unmerged rounds, which include rounds lost catching up; a peer that just adopted the swarm's state is
         # not stalled, and once counted as such it forked a majority still at work)
         self.stuck, self.stuck_epoch = 0, -1
-        self.crossing = Crossing(transport, clock, announcer, deadlines, run)
+        self.crossing = Crossing(transport, clock, announcer, deadlines, run, moved_on=self._moved_on)
 
     # ---- one round ----
     def sync(self, tokens: int, budget: float, missed_rounds: int = 0, step_seconds: Optional[float] = None,
@@ -167,6 +167,10 @@ class Synchronizer:
         silent = [pid for pid, r in self.cache.records.items() if not responsive(r, now)]
         self.transport.reach_out(silent + list(self.initial_peer_ids))
         self.transport.watch(silent)
+
+    def _moved_on(self) -> bool:
+        """Does a live peer hold a better state than ours, in records read now?"""
+        return bool(peers_ahead(self.catchup.refresh().values(), self.announcer.record(), self.clock.dht_time()))
 
     def _view(self, facts: dict, attempts: int, deadline: float) -> View:
         return View(mine=self.announcer.record(), records=tuple(self.cache.records.values()),

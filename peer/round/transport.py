@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Callable, ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 from hivemind.utils import get_dht_time
@@ -19,11 +19,12 @@ from dht.node import reach_out
 from dht.records import PeerRecord, RecordPublisher, fetch_records
 from peer.averaging.averager import CROSS, GROUP, SwarmAverager
 from peer.averaging.results import GROUP_ONLY, MINORITY, NO_MAJORITY, READY
-from peer.swarm.failures import DelegateLost, MinorityGroup, NoMajority
+from peer.swarm.failures import DelegateLost, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.metadata import Averaged, Contribution, Delegation
 
 Downloaded = Tuple[List[str], Dict, List[torch.Tensor]]  # (donors used, metadata, [G, m])
 CROSS_WINDOW = 2  # the cross-group phase's matchmaking window, in grace windows
+ABANDON_POLL = 1.0  # seconds between looks at whether a matchmaking still waited for should be given up
 
 
 class Transport(Protocol):
@@ -57,9 +58,11 @@ class Transport(Protocol):
         (``CROSS``); ``meet_at``: the DHT time the group planned to meet, from which the matchmaking window runs
         if it is later than now."""
 
-    def average(self, contribution: Union[Contribution, Delegation], weight: float, timeout: float) -> Averaged:
+    def average(self, contribution: Union[Contribution, Delegation], weight: float, timeout: float,
+                abandon: Callable[[], bool] = lambda: False) -> Averaged:
         """Matchmaking, then the exact all-reduce of the buffers, in place; raises a ``peer.swarm.failures``
-        exception, or TimeoutError after ``timeout`` seconds."""
+        exception, or TimeoutError after ``timeout`` seconds. ``abandon`` is asked every ``ABANDON_POLL`` seconds
+        while no all-reduce has begun; True gives the matchmaking up (``NoGroup``)."""
 
     def receive(self, delegate: str, epoch: int, state_hash: str, aligned: bool, timeout: float,
                 part_timeout: float) -> Averaged:
@@ -139,7 +142,8 @@ class SwarmTransport:
         self.averager.conclude_group(epoch, state_hash, dict(
             gathered={peer: c.to_wire() for peer, c in group.gathered.items()}, aligned=group.aligned))
 
-    def average(self, contribution: Union[Contribution, Delegation], weight: float, timeout: float) -> Averaged:
+    def average(self, contribution: Union[Contribution, Delegation], weight: float, timeout: float,
+                abandon: Callable[[], bool] = lambda: False) -> Averaged:
         # the delegates of a round's groups meet as their groups finish: a left-over peer, its own delegate, learns
         # it is left over only when its group window ends, and must still find the others waiting
         now = get_dht_time()
@@ -149,11 +153,17 @@ class SwarmTransport:
             timeout=window + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False,
             wait=False,
         )
-        try:
-            return control.result(timeout=max(timeout, 0.1))
-        except TimeoutError:
-            control.cancel()
-            raise TimeoutError("the sync deadline passed") from None
+        deadline = time.monotonic() + max(timeout, 0.1)
+        while True:
+            try:
+                return control.result(timeout=max(min(ABANDON_POLL, deadline - time.monotonic()), 0.0))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    control.cancel()
+                    raise TimeoutError("the sync deadline passed") from None
+            if not control.began_allreduce and abandon():  # (never once the all-reduce runs: others count on us)
+                control.cancel()
+                raise NoGroup("the swarm's round ended without our group")
 
     def traffic(self) -> Tuple[int, int]:
         return self.averager.traffic()

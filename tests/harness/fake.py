@@ -110,8 +110,10 @@ class FakeTransport:
         self.prepared.append(dict(epoch=epoch, hash=state_hash, min_group=min_group, expected=expected_group,
                                   probe=tuple(probe), phase=phase, group=group, meet_at=meet_at))
 
-    def average(self, contribution: Contribution, weight: float, timeout: float) -> Averaged:
+    def average(self, contribution: Contribution, weight: float, timeout: float,
+                abandon: Callable[[], bool] = lambda: False) -> Averaged:
         self.sent.append((contribution, weight, self.tensors[0].clone()))
+        self.abandon = abandon  # a script may ask it, as the real transport does while its matchmaking waits
         script = self.scripts.popleft()
         if isinstance(script, BaseException):
             raise script
