@@ -94,6 +94,59 @@ def from_args(cls: Type[T], namespace: argparse.Namespace, **overrides: Any) -> 
     return cls(**{**explicit_values(namespace, cls), **overrides})
 
 
+def _kind(tp: Any) -> str:
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if typing.get_origin(tp) in (tuple, list):
+        return f"a list of {_kind(typing.get_args(tp)[0]).split(' ', 1)[1]}s"
+    if typing.get_origin(tp) is dict or tp is dict:
+        return "a table"
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _typed(tp: Any, value: Any) -> Any:
+    """``value`` as a field of type ``tp`` holds it (an int for a float, a tuple for a list), or TypeError."""
+    if tp is Any:
+        return value
+    if typing.get_origin(tp) in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError
+        return tuple(_typed(typing.get_args(tp)[0], item) for item in value)
+    if typing.get_origin(tp) is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise TypeError
+        return value
+    if isinstance(value, bool) and tp is not bool:  # a bool is an int to Python, never to a user
+        raise TypeError
+    if tp is float and isinstance(value, int):
+        return float(value)
+    if not isinstance(value, tp):
+        raise TypeError
+    return value
+
+
+def typed_values(cls: Type[Any], values: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """``values`` checked against the types of ``cls``'s fields: a ValueError names the first one that is wrong
+    (``where`` says whose values they are), and a name ``cls`` lacks."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for name, value in values.items():
+        if name not in hints:
+            raise ValueError(f"{where} has no setting {name!r}")
+        optional = _unwrap_optional(hints[name]) is not hints[name]
+        tp = _unwrap_optional(hints[name])
+        if value is None and optional:
+            out[name] = None
+            continue
+        try:
+            out[name] = _typed(tp, value)
+        except TypeError:
+            raise ValueError(f"{where} {name} must be {_kind(tp)}, got {value!r}") from None
+        choices = cls.__dataclass_fields__[name].metadata.get("choices")
+        if choices and value not in choices:
+            raise ValueError(f"{where} {name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return out
+
+
 def _show(value: Any) -> str:
     if isinstance(value, tuple):
         return " ".join(map(str, value)) or "none"

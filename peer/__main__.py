@@ -17,30 +17,39 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from dht.cli import Parser, add_arguments, explicit_values, from_args
+from dht.cli import Parser, add_arguments, explicit_values
 from dht.errors import UserError
 from dht.node import DHTConfig
+from peer import config_file
 from peer.config import NodeConfig, RunConfig, SyncConfig
 from peer.ops.report import fail
+
+COMMANDS = dict(status="peer.ops.status", plot="peer.ops.plot", export="peer.use.export",
+                generate="peer.use.generate")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
     parser = Parser(
         prog="python -m peer", description=__doc__.split("\n\n")[0],
-        epilog="Run settings are shared by every peer of a run (the manifest); a joiner needs none of them.",
+        epilog="Run settings are shared by every peer of a run (the manifest); a joiner needs none of them. "
+               "Commands: " + ", ".join(COMMANDS) + " (python -m peer COMMAND --help).",
     )
     add_arguments(parser, RunConfig, "run settings (shared through the run manifest)")
     add_arguments(parser, NodeConfig, "this node")
     add_arguments(parser, DHTConfig, "network")
     add_arguments(parser, SyncConfig, "sync deadlines")
     args = parser.parse_args(argv)
-    run_flags = explicit_values(args, RunConfig)
+    path = getattr(args, "config", None)
+    from_file = config_file.load(path) if path else {}
+    given = {cls: {**from_file.get(cls, {}), **explicit_values(args, cls)}
+             for cls in (RunConfig, NodeConfig, SyncConfig, DHTConfig)}
+    run_flags = given[RunConfig]  # a value from the file counts as given: the manifest check sees it
     RunConfig(**run_flags)  # validate now: a bad value is a one-line error before anything starts
     if "model" in run_flags:
         from peer.train.source import require_model_spec
 
         require_model_spec(run_flags["model"])
-    return run_flags, from_args(NodeConfig, args), from_args(SyncConfig, args), from_args(DHTConfig, args)
+    return run_flags, NodeConfig(**given[NodeConfig]), SyncConfig(**given[SyncConfig]), DHTConfig(**given[DHTConfig])
 
 
 def setup_logging(verbose: bool) -> None:
@@ -54,10 +63,8 @@ def setup_logging(verbose: bool) -> None:
 def main(argv: Optional[Sequence[str]] = None, hooks=None) -> int:
     """``hooks``: a test harness's (``peer/hooks.py``); a user's peer runs with the no-op ones."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = dict(status="peer.ops.status", plot="peer.ops.plot", export="peer.use.export",
-                    generate="peer.use.generate")
-    if argv and argv[0] in commands:
-        command = importlib.import_module(commands[argv[0]])
+    if argv and argv[0] in COMMANDS:
+        command = importlib.import_module(COMMANDS[argv[0]])
         return command.main(argv[1:])
     try:
         run_flags, node, sync, net = parse_args(argv)

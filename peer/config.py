@@ -13,7 +13,7 @@ from typing import Any, Dict, Optional
 
 from diloco_compression import CODECS
 
-from dht.cli import opt, require_non_negative, require_positive
+from dht.cli import opt, require_non_negative, require_positive, typed_values
 from peer.outer.schedule import cosine_factor, portable_cos
 from peer.presets import PRESETS, run_defaults
 
@@ -121,13 +121,16 @@ class RunConfig:
         unknown = set(settings) - names
         if unknown:
             raise ValueError(f"the run manifest has settings this version does not know: {sorted(unknown)}")
-        return cls(**settings)
+        # a stranger's manifest: a value of the wrong type is named here, not a traceback deep in training
+        return cls(**typed_values(cls, settings, "the run manifest's"))
 
 
 @dataclass(frozen=True)
 class NodeConfig:
     """Choices each peer makes for itself."""
 
+    config: Optional[str] = opt(None, "take flags from this TOML file, or a bundled one (tiny, home-150m, "
+                                      "private-servers); flags typed on the command line win (peer/config_file.py)")
     run_id: str = opt("diloco", "name of the run to start or join")
     run_token: Optional[str] = opt(None, "a private run's shared secret (or set DILOCO_RUN_TOKEN): its keys derive "
                                          "from it, so peers without it cannot find or join the run")

@@ -29,6 +29,7 @@ from dht.manifest import RunManifest, join_or_create, listed_name, publish_manif
 from dht.node import DHTConfig, signing_identity, start_dht
 from dht.reach import Reach
 from dht.validation import run_validators
+from peer import config_file
 from peer.averaging.averager import SwarmAverager
 from peer.config import NodeConfig, RunConfig, SyncConfig
 from peer.hooks import Hooks
@@ -235,10 +236,12 @@ def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeC
     copies = copies_of(manifest.settings, run_flags)
     for name, value in run_flags.items():
         if name not in copies and manifest.settings.get(name) != value:
+            filed = node.config is not None and config_file.from_file(node.config, name, value)
+            given, drop = (f"{name} = {value!r} in {node.config}", "drop it from the file") if filed else \
+                (f"--{name.replace('_', '-')} {value}", "drop the flag")
             raise UserError(
-                f"--{name.replace('_', '-')} {value} conflicts with run '{run_id}', which uses "
-                f"{name}={manifest.settings.get(name)}; drop the flag to join it, or pass another --run-id "
-                f"to start a new run"
+                f"{given} conflicts with run '{run_id}', which uses {name}={manifest.settings.get(name)}; "
+                f"{drop} to join it, or pass another --run-id to start a new run"
             )
     if payload is not None and payload.manifest_hash != manifest.hash:
         raise UserError(

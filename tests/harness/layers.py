@@ -25,7 +25,7 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
     ("dht",),
     ("peer.hooks", "peer.presets", "peer.outer", "peer.swarm", "peer.ops"),
     ("peer.config",),
-    ("peer.train", "peer.averaging"),
+    ("peer.train", "peer.averaging", "peer.config_file"),
     ("peer.round",),
     ("peer.use",),
     ("peer.__main__",),
