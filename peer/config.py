@@ -153,9 +153,10 @@ class NodeConfig:
     overlap: bool = opt(False, "run each round's sync in the background while the next round trains; the outer "
                                "update lands one round late (docs/design.md, step 8)")
     quiet: bool = opt(False, "no progress bar: one summary line per round")
-    tensorboard: Optional[str] = opt(None, "also log every round's numbers to TensorBoard in this directory "
-                                           "(pip install tensorboard)")
-    wandb: Optional[str] = opt(None, "also log every round's numbers to this Weights & Biases project "
+    tensorboard: Optional[str] = opt(None, "also log every round's numbers to TensorBoard, under DIR/RUN_ID/PEER_ID "
+                                           "with the epoch as the step (pip install tensorboard)")
+    wandb: Optional[str] = opt(None, "also log every round's numbers to this Weights & Biases project: the run's "
+                                     "peers in one group, the epoch as the step, a restart resumed "
                                      "(pip install wandb)")
     verbose: bool = opt(False, "debug logs, hivemind's internals included")
 

@@ -1,5 +1,10 @@
 """Optional experiment trackers: TensorBoard and Weights & Biases get every round's numbers.
 
+Both are grouped by run, with the epoch as the step: every peer of a run counts the same epochs, so one run's peers
+line up on one axis, and a restarted peer continues its line (its round count starts again at 1; its epoch does
+not). TensorBoard writes one directory per peer under the run's (``DIR/RUN_ID/PEER_ID``); W&B puts a run's peers
+in one group (``group=run_id``), each its own W&B run whose id derives from its peer id, resumed after a restart.
+
 Neither is a dependency. Asking for one that is not installed is a one-line error at start-up; a
 tracker that fails later (a full disk, say) is logged once and dropped, and training goes on.
 """
@@ -8,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from dht.errors import UserError
@@ -29,6 +35,12 @@ def scalars(record: Dict[str, Any]) -> Dict[str, float]:
             if isinstance(v, numbers.Real) and not isinstance(v, bool) and k not in ("round", "time")}
 
 
+def wandb_id(run_id: str, peer_id: str) -> str:
+    """The W&B run id of a peer of a run: the same after a restart (its identity is kept), another in another run
+    (a W&B run resumed by a run of fewer epochs would drop every step below its last)."""
+    return f"{run_id[:40]}-{peer_id}"
+
+
 class TensorBoardTracker(Tracker):
     def __init__(self, log_dir: str):
         try:
@@ -39,7 +51,7 @@ class TensorBoardTracker(Tracker):
 
     def log(self, record: Dict[str, Any]) -> None:
         for name, value in scalars(record).items():
-            self.writer.add_scalar(f"peer/{name}", value, global_step=record["round"], walltime=record["time"])
+            self.writer.add_scalar(f"peer/{name}", value, global_step=record["epoch"], walltime=record["time"])
         self.writer.flush()
 
     def close(self) -> None:
@@ -47,16 +59,21 @@ class TensorBoardTracker(Tracker):
 
 
 class WandbTracker(Tracker):
-    def __init__(self, project: str, name: str, config: Dict[str, Any]):
+    def __init__(self, project: str, run_id: str, peer_id: str, config: Dict[str, Any]):
         try:
             import wandb
         except ImportError:
             raise UserError("--wandb needs the wandb package: pip install wandb (WANDB_MODE=offline works "
                             "without an account)") from None
-        self.run = wandb.init(project=project, name=name, config=config)
+        self.run = wandb.init(project=project, group=run_id, id=wandb_id(run_id, peer_id), resume="allow",
+                              name=f"{run_id}-{peer_id[-8:]}", job_type="peer", config=config)
+        self.last_epoch = -1
 
     def log(self, record: Dict[str, Any]) -> None:
-        self.run.log(scalars(record), step=record["round"])
+        # W&B keeps a step's values until a later step comes and drops a step below the last: a peer that adopts a
+        # state of fewer epochs (the fork choice counts tokens) logs at its last epoch until it passes it again
+        self.last_epoch = max(self.last_epoch, int(record["epoch"]))
+        self.run.log(scalars(record), step=self.last_epoch)
 
     def close(self) -> None:
         self.run.finish()
@@ -69,13 +86,13 @@ class Trackers:
         self.trackers = list(trackers or [])
 
     @classmethod
-    def from_flags(cls, tensorboard: Optional[str], wandb: Optional[str], name: str,
+    def from_flags(cls, tensorboard: Optional[str], wandb: Optional[str], run_id: str, peer_id: str,
                    config: Dict[str, Any]) -> "Trackers":
         trackers: List[Tracker] = []
         if tensorboard:
-            trackers.append(TensorBoardTracker(tensorboard))
+            trackers.append(TensorBoardTracker(str(Path(tensorboard) / run_id / peer_id)))
         if wandb:
-            trackers.append(WandbTracker(wandb, name, config))
+            trackers.append(WandbTracker(wandb, run_id, peer_id, config))
         return cls(trackers)
 
     def log(self, record: Dict[str, Any]) -> None:

@@ -118,7 +118,7 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         run = localized(RunConfig.from_settings(dict(manifest.settings)), run_flags)  # this node's model copies
         if node.checkpoint_dir:
             keep_tokenizer(run, node.checkpoint_dir)
-        reporter.trackers = Trackers.from_flags(node.tensorboard, node.wandb, name=f"{node.run_id}-{peer_id[-8:]}",
+        reporter.trackers = Trackers.from_flags(node.tensorboard, node.wandb, run_id=node.run_id, peer_id=peer_id,
                                                 config=dict(manifest.settings, peer_id=peer_id))
         if island is not None:  # the other ranks build the same trainer from the same settings
             island.share(dict(settings=dataclasses.asdict(run), shard_key=peer_id))
