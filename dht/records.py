@@ -28,6 +28,8 @@ from dht.validation import record_subkey, subkey_peer_id
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_SECONDS = 2.0  # how often a live peer refreshes its record
+HEARTBEAT_MISSES = 3  # heartbeats a record may miss (a slow DHT store, say) before its peer counts as gone
+CLOCK_SLACK = 2.0  # seconds of clock difference between two peers' DHT times that we tolerate
 
 
 def peers_key(run_id: str) -> str:
@@ -43,6 +45,9 @@ class PeerRecord:
     manifest_hash: str
     status: str = "training"  # training | syncing | leaving | left
     loss: Optional[float] = None
+    eval_loss: Optional[float] = None  # held-out loss of the global parameters at eval_epoch, its last evaluation
+    eval_epoch: int = -1
+    group_size: int = 0  # peers whose work its last applied round merged
     tokens_per_second: float = 0.0
     next_sync_at: Optional[float] = None  # DHT time this peer expects to start matchmaking
     round_seconds: Optional[float] = None  # length of its last round, compute plus sync
@@ -55,6 +60,11 @@ class PeerRecord:
     updated_at: float = 0.0
     expires_at: float = 0.0  # DHT time the record expires unless refreshed (set by fetch_records)
     seen_at: float = 0.0  # DHT time fetch_records read it: how stale it was then says whether its peer lives
+
+    def silent(self) -> bool:
+        """When it was read, the record had missed HEARTBEAT_MISSES of the heartbeats its peer promised: the peer
+        is dead, frozen or cut off."""
+        return self.heartbeat > 0 and self.seen_at > self.updated_at + HEARTBEAT_MISSES * self.heartbeat + CLOCK_SLACK
 
     @classmethod
     def from_value(cls, value: object) -> Optional["PeerRecord"]:

@@ -86,6 +86,9 @@ class PeerRecordModel(pydantic.BaseModel):
     manifest_hash: pydantic.StrictStr
     status: pydantic.StrictStr
     loss: Optional[Number]
+    eval_loss: Optional[Number] = None
+    eval_epoch: pydantic.conint(strict=True, ge=-1) = -1
+    group_size: pydantic.conint(strict=True, ge=0) = 0
     tokens_per_second: Number
     next_sync_at: Optional[Number]
     round_seconds: Optional[Number]

@@ -158,12 +158,15 @@ class NodeConfig:
     wandb: Optional[str] = opt(None, "also log every round's numbers to this Weights & Biases project: the run's "
                                      "peers in one group, the epoch as the step, a restart resumed "
                                      "(pip install wandb)")
+    dashboard: int = opt(0, "serve the swarm's dashboard (python -m peer status --serve) on this port (0 = off)")
+    dashboard_host: str = opt("127.0.0.1", "the address --dashboard listens on (0.0.0.0: every interface)")
     verbose: bool = opt(False, "debug logs, hivemind's internals included")
 
     def __post_init__(self):
         if not self.run_id or any(c in self.run_id for c in ". /"):
             raise ValueError(f"run_id must be non-empty without '.', '/' or spaces, got {self.run_id!r}")
-        require_non_negative(self, "max_rounds", "micro_batch", "threads", "min_step_seconds", "checkpoint_every")
+        require_non_negative(self, "max_rounds", "micro_batch", "threads", "min_step_seconds", "checkpoint_every",
+                             "dashboard")
 
 
 @dataclass(frozen=True)

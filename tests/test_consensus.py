@@ -2,10 +2,8 @@
 
 import dataclasses
 
-from dht.records import PeerRecord
+from dht.records import CLOCK_SLACK, HEARTBEAT_MISSES, PeerRecord
 from peer.swarm.consensus import (
-    CLOCK_SLACK,
-    HEARTBEAT_MISSES,
     MAX_MISSED,
     SILENCE_SLACK,
     awaiting_state,

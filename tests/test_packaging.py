@@ -53,6 +53,8 @@ def test_an_installed_copy_imports_its_own_codecs_past_a_standard_library_compre
              "assert (codec.decode(codec.encode(x), x.numel()) - x).abs().max() < 0.2\n"
              "from peer import config_file\n"
              "assert set(config_file.bundled()) == {'tiny', 'home-150m', 'private-servers'}\n"  # shipped as data
+             "from peer.ops import dashboard\n"
+             "assert b'snapshot.json' in dashboard.PAGE.read_bytes()\n"
              "print(diloco_compression.__file__, peer.__file__)\n")
     out = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)

@@ -4,5 +4,6 @@
 - ``report.py``      progress bar, round summary, metrics JSON lines
 - ``trackers.py``    TensorBoard and Weights & Biases
 - ``status.py``      ``python -m peer status``: the swarm's peers, epochs, losses and forks
+- ``dashboard.py``   ``status --serve`` and ``--dashboard``: the same snapshot as a page that refreshes itself
 - ``plot.py``        ``python -m peer plot``: loss, group size and bytes per round, per peer
 """

@@ -3,6 +3,7 @@
     python -m peer status --initial-peers /ip4/.../p2p/...            # one table, then exit
     python -m peer status --initial-peers ... --watch                 # refresh every 5 s until Ctrl+C
     python -m peer status --initial-peers ... --json                  # the same data for machines
+    python -m peer status --initial-peers ... --serve 8080            # the same in a browser, refreshing itself
 
 There is no server to ask: every peer publishes a record (epoch, state hash, loss, speed, bytes per
 round, schedule) under the run's key, and this command reads them through a client-mode DHT node,
@@ -37,11 +38,17 @@ def parse_args(argv: Optional[Sequence[str]]):
     parser.add_argument("--watch", nargs="?", type=float, const=WATCH_SECONDS, default=None, metavar="SECONDS",
                         help=f"refresh every SECONDS (default {WATCH_SECONDS:g}) until Ctrl+C")
     parser.add_argument("--json", action="store_true", help="print one JSON object (per refresh with --watch)")
+    parser.add_argument("--serve", type=int, metavar="PORT", help="serve the swarm's dashboard on this port "
+                        "(0: any free one) until Ctrl+C; the page refreshes itself from the DHT")
+    parser.add_argument("--serve-host", default="127.0.0.1", help="the address --serve listens on (default: "
+                        "127.0.0.1; 0.0.0.0 for every interface)")
     parser.add_argument("--startup-timeout", type=float, default=30.0, help="seconds to reach the initial peers")
     args = parser.parse_args(argv)
     parse_maddrs(args.initial_peers, flag="--initial-peers", need_peer_id=True)
     if args.watch is not None and args.watch <= 0:
         parser.error("--watch takes a positive number of seconds")
+    if args.serve is not None and not 0 <= args.serve < 65536:
+        parser.error(f"--serve takes a port number (0-65535, 0: any free one), got {args.serve}")
     return args
 
 
@@ -59,6 +66,7 @@ def snapshot(dht, run_id: str, namespace: str) -> Dict[str, Any]:
     for record in sorted(records.values(), key=lambda r: (-r.epoch, r.peer_id)):
         row = dataclasses.asdict(record)
         row["last_seen_seconds"] = max(0.0, now - record.updated_at)
+        row["stale"] = record.silent()  # its heartbeats stopped: dead, frozen or cut off
         peers.append(row)
     return dict(run_id=run_id, time=time.time(), manifest=None if manifest is None else manifest.to_record(),
                 peers=peers, forks=forks(peers))
@@ -142,6 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         console = Console(highlight=False, soft_wrap=True)
         if not console.is_terminal:
             console.width = 200  # piped to a file or a test: never truncate a column
+        if args.serve is not None:
+            return _serve(lambda: snapshot(dht, args.run_id, namespace), args.serve, args.serve_host)
         data = snapshot(dht, args.run_id, namespace)
         if args.watch is None:
             if args.json:
@@ -165,6 +175,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         if dht is not None:
             dht.shutdown()
+
+
+def _serve(take_snapshot, port: int, host: str) -> int:
+    from peer.ops.dashboard import Dashboard
+
+    dashboard = Dashboard(take_snapshot, port, host).start()
+    print(f"serving the swarm's dashboard at {dashboard.url} (Ctrl+C to stop)", flush=True)
+    try:
+        dashboard.stopped.wait()
+    finally:
+        dashboard.stop()
+    return 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ from peer.averaging.averager import SwarmAverager
 from peer.config import NodeConfig, RunConfig, SyncConfig
 from peer.hooks import Hooks
 from peer.ops.checkpoint import CheckpointPayload
+from peer.ops.dashboard import Dashboard
 from peer.ops.report import Reporter
+from peer.ops.status import snapshot
 from peer.ops.trackers import Trackers
 from peer.outer.contributions import Contributions
 from peer.outer.lineage import Lineage
@@ -120,6 +122,8 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
             keep_tokenizer(run, node.checkpoint_dir)
         reporter.trackers = Trackers.from_flags(node.tensorboard, node.wandb, run_id=node.run_id, peer_id=peer_id,
                                                 config=dict(manifest.settings, peer_id=peer_id))
+        if node.dashboard:
+            _serve_dashboard(node, dht, namespace, closer, reporter)
         if island is not None:  # the other ranks build the same trainer from the same settings
             island.share(dict(settings=dataclasses.asdict(run), shard_key=peer_id))
         corpus, trainer = build_trainer(run, node, island)
@@ -206,6 +210,13 @@ def _checkpoint_and_identity(node: NodeConfig, net: DHTConfig):
     if net.identity_path is None:
         net = dataclasses.replace(net, identity_path=os.path.join(node.checkpoint_dir, "identity.key"))
     return payload, net
+
+
+def _serve_dashboard(node: NodeConfig, dht, namespace: str, closer: contextlib.ExitStack, reporter: Reporter) -> None:
+    """--dashboard: this peer serves its own view of the swarm, read through its DHT node like any observer's."""
+    dashboard = Dashboard(lambda: snapshot(dht, node.run_id, namespace), node.dashboard, node.dashboard_host).start()
+    closer.callback(dashboard.stop)
+    reporter.info(f"the swarm's dashboard: {dashboard.url}")
 
 
 def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeConfig, net: DHTConfig,

@@ -58,6 +58,8 @@ class Peer:
         # what the last round that averaged sent: in our record, for `peer status` (a round that found no group
         # sends nothing, and says nothing about what a round costs on the wire)
         self.last_bytes_sent = 0
+        self.last_eval: Tuple[int, Optional[float]] = (-1, None)  # (epoch, held-out loss) of our last evaluation
+        self.last_group_size = 0
         stop_on_signals(self.stop_requested, self.reporter)  # after the averager forked: hivemind ignores SIGINT
 
     def join(self) -> None:
@@ -180,6 +182,10 @@ class Peer:
         progress.last_loss = job.stats.loss
         self.last_round_seconds = job.stats.compute_seconds + sync_seconds
         eval_loss = self._evaluate_global() if result.applied and self.state.epoch % run.eval_every == 0 else None
+        if eval_loss is not None:
+            self.last_eval = (self.state.epoch, eval_loss)
+        if result.applied:
+            self.last_group_size = len(result.group)
         result.rebased = result.rebased or self.clock.rebased
         # every rank of an island holds the same parameters: they are hashed to show it
         island_hashes = self.island.check(self.parts.trainer) if self.island is not None else None
@@ -225,6 +231,7 @@ class Peer:
         self.parts.announcer.announce(
             self._record_ttl(), status=status, loss=self.progress.last_loss, next_sync_at=next_sync_at,
             round_seconds=self.last_round_seconds, bytes_per_round=self.last_bytes_sent,
+            eval_epoch=self.last_eval[0], eval_loss=self.last_eval[1], group_size=self.last_group_size,
             tokens_per_second=self.run.batch_size * self.run.seq_len * ranks / pace if pace else 0.0,
         )
         if time.monotonic() - self.manifest_published_at > MANIFEST_TTL / 4:

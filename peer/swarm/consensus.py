@@ -20,8 +20,6 @@ from dht.records import PeerRecord
 from peer.swarm.metadata import Gathered
 
 SILENCE_SLACK = 10.0  # seconds past its planned sync a peer may stay silent before others stop waiting for it
-HEARTBEAT_MISSES = 3  # heartbeats a record may miss (a slow DHT store, say) before its peer counts as gone
-CLOCK_SLACK = 2.0  # seconds of clock difference between two peers' DHT times that we tolerate
 MAX_MISSED = 3  # rounds in a row stuck at one state before a peer applies without a majority (alone, at quorum 1)
 LEAVING = "leaving"  # a record status: the peer is about to leave and only serves its state meanwhile
 SYNCING = "syncing"  # a record status: the peer is in a sync (matchmaking or all-reduce) until its busy_until
@@ -34,7 +32,7 @@ def responsive(record: PeerRecord, now: float) -> bool:
     since. Its record lives on in the DHT until it expires, but nobody should wait for it, count it in a group,
     or download from it. (A copy we read long ago says nothing of the heartbeats since: only how stale the record
     was when read counts, never how old our copy is now.)"""
-    if record.heartbeat > 0 and record.seen_at > record.updated_at + HEARTBEAT_MISSES * record.heartbeat + CLOCK_SLACK:
+    if record.silent():
         return False
     if not record.next_sync_at:
         return True
