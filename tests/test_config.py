@@ -92,3 +92,14 @@ def test_readme_documents_every_flag():
         for field in dataclasses.fields(cls):
             if field.metadata.get("cli", True):  # a field kept out of the parser is no flag
                 assert f"`--{field.name.replace('_', '-')}`" in readme, f"README lacks --{field.name}"
+
+
+def test_help_lists_the_subcommands(capsys):
+    from peer.__main__ import COMMANDS
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert set(COMMANDS) == {"status", "plot", "export", "generate"}
+    assert "Commands: status, plot, export, generate (python -m peer COMMAND --help)" in out
+    assert "--config CONFIG" in out
