@@ -161,6 +161,22 @@ def test_maybe_applied_with_no_state_appearing_is_retried_after_the_others_deadl
     assert peer.clock.now - start >= peer.run.grace_seconds  # it looked for their state until their deadline
 
 
+def test_a_round_the_others_finished_without_us_is_adopted_then_our_work_goes_into_the_next_and_says_rebased():
+    """Our reducer failed; the others applied without our delta. The settle adopts their state, and the retry
+    averages our work at it, in the same sync: applied, and rebased (the metrics say it caught up)."""
+    peer = FakePeer()
+    delta = peer.train()
+    holder(peer)
+    new = {}
+    peer.transport.scripts.extend([
+        failing(MaybeApplied("lost reducer"),
+                lambda: new.update(hash=peer.serve_next_state(delta * 0.5, contributors=["a"], tokens=100,
+                                                              holders=["a"]))),
+        lambda *args: with_group(("a", theirs(peer)))(*args)])  # "a" at the state we adopted by then
+    result = peer.sync()
+    assert result.applied and result.rebased and peer.transport.sent[1][0].hash == new["hash"]
+
+
 def test_a_minority_group_adopts_the_majoritys_state_instead_of_forking():
     peer = FakePeer()
     delta = peer.train()

@@ -198,9 +198,11 @@ class Synchronizer:
             their_end = attempt.started + self.run.grace_seconds + self.deadlines.allreduce(1 + attempt.align)
             found, spent = self.catchup.settle(min(attempt.deadline, their_end), attempt.deadline, result.attempts)
             result.attempts += spent
+            result.rebased = result.rebased or found.adopted  # (a retry may still apply, at the adopted state)
             return dict(facts, phase=Phase.SETTLED, settled=found.adopted, merged_ours=found.merged_ours)
         if action.do is Do.CATCH_UP:
             found = self.catchup.catch_up(timeout=max(attempt.deadline - self.clock.monotonic(), 1.0))
+            result.rebased = result.rebased or found.adopted
             return dict(facts, phase=Phase.CAUGHT_UP, caught_up=found.adopted, holders_syncing=None)
         if action.do is Do.CROSS:
             return self.crossing.cross(action, attempt, self._contribution(action, attempt))
