@@ -223,8 +223,9 @@ def test_a_swarm_larger_than_its_group_size_meets_in_groups_and_ends_each_round_
     for record in merged:
         for missing in set(ids) - set(record["group"]):
             # it was still starting or downloading the state, or its sync of that round ended at the epoch before
-            # (no group, or the records came too late to meet one, or its group was a minority and adopted the
-            # majority's state as that state's holders began their next round), or the sync that spanned it ended
+            # (no group, or the records came too late to meet one, or its group was a minority, which adopted the
+            # majority's state as that state's holders began their next round or did not see it in time), or the
+            # sync that spanned it ended
             # after it, at whatever epoch it caught up to (one slow catch-up can span several short rounds): either
             # way it keeps its work for the next round, or it caught up past that round within its round or sync
             # (its record says rebased) and its work went into the next
@@ -234,7 +235,7 @@ def test_a_swarm_larger_than_its_group_size_meets_in_groups_and_ends_each_round_
             # a sync (or a round) that caught up past it, its work rebased, and then applied at the adopted state
             theirs |= {"caught_up"} if spanning and spanning["rebased"] else set()
             starting = ids[missing].metrics[0]["epoch"] > record["epoch"]
-            late = {"missed_group", "no_group", "caught_up", "records_late", "minority_adopted"}
+            late = {"missed_group", "no_group", "caught_up", "records_late", "minority_adopted", "minority"}
             assert starting or theirs & late, \
                 f"{ids[missing].name} left out of epoch {record['epoch']}: " \
                 + " ".join(f"{r['epoch']}:{r['outcome']}" for r in ids[missing].metrics)
