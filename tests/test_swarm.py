@@ -225,10 +225,9 @@ def test_a_swarm_larger_than_its_group_size_meets_in_groups_and_ends_each_round_
             # it was still starting or downloading the state, or its sync of that round ended at the epoch before
             # (no group, or the records came too late to meet one, or its group was a minority, which adopted the
             # majority's state as that state's holders began their next round or did not see it in time), or the
-            # sync that spanned it ended
-            # after it, at whatever epoch it caught up to (one slow catch-up can span several short rounds): either
-            # way it keeps its work for the next round, or it caught up past that round within its round or sync
-            # (its record says rebased) and its work went into the next
+            # sync that spanned it ended after it, at whatever epoch it caught up to (one slow catch-up can span
+            # several short rounds): either way it keeps its work for the next round. Or it caught up past that
+            # round within its round or sync (its record says rebased), and its work went into the next.
             theirs = {r["outcome"] for r in ids[missing].metrics if record["epoch"] - r["epoch"] == 1}
             spanning = next((r for r in ids[missing].metrics if r["epoch"] >= record["epoch"]), None)
             theirs |= {spanning["outcome"]} if spanning else set()
