@@ -125,13 +125,12 @@ def _typed(tp: Any, value: Any) -> Any:
 
 
 def typed_values(cls: Type[Any], values: Dict[str, Any], where: str) -> Dict[str, Any]:
-    """``values`` checked against the types of ``cls``'s fields: a ValueError names the first one that is wrong
-    (``where`` says whose values they are), and a name ``cls`` lacks."""
+    """``values``, whose names are fields of ``cls`` (its callers name an unknown one their own way), checked against
+    those fields' types and choices: a ValueError names the first one that is wrong (``where`` says whose values
+    they are)."""
     hints = typing.get_type_hints(cls)
     out = {}
     for name, value in values.items():
-        if name not in hints:
-            raise ValueError(f"{where} has no setting {name!r}")
         optional = _unwrap_optional(hints[name]) is not hints[name]
         tp = _unwrap_optional(hints[name])
         if value is None and optional:
