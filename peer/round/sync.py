@@ -63,6 +63,9 @@ class SyncResult:
     offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
     reduced: float = 0.0  # the fraction of the group's vector we reduced in the all-reduce that applied
     groups: int = 0  # the groups whose work the applied round merged (1: one group; 0: none applied)
+    waited: float = 0.0  # seconds spent waiting for the group's planned meeting time (``meet_at``)
+    catch_up_seconds: float = 0.0  # seconds the opening catch-up took (a download when the swarm moved on)
+    deadline: float = 0.0  # the longest this sync could run: its budget plus ``waited``
 
 
 @dataclass
@@ -125,13 +128,16 @@ class Synchronizer:
         budget += early
         attempt = _Attempt(tokens, missed_rounds, self.clock.monotonic() + budget, planned_end, meet_at=meet_at)
         result = self._sync(attempt, budget)
+        result.waited, result.deadline = early, budget
         self.stuck = 0 if result.applied or result.rebased else self.stuck + 1
         return result
 
     def _sync(self, attempt: _Attempt, budget: float) -> SyncResult:
         result = SyncResult()
         self._enter(budget)
+        began = self.clock.monotonic()
         result.rebased = self.catchup.catch_up(timeout=max(budget / 3, 5.0)).adopted
+        result.catch_up_seconds = self.clock.monotonic() - began
         facts = dict(phase=Phase.BEGIN, caught_up=result.rebased, dropped_resumed=self.lineage.dropped_resumed)
         while True:
             action = decide(self._view(facts, result.attempts, attempt.deadline))
