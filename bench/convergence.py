@@ -47,7 +47,8 @@ from peer.presets import PRESETS
 from peer.train.model import build_model, count_parameters
 
 MODEL = "micro"
-AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "outer-lr-decay", "averaging", "warm-start")
+AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "outer-lr-decay", "averaging", "warm-start",
+        "outer-warmup")
 SLOWDOWN = 3.0  # the slow replica's seconds per inner step, relative to the others
 QUICK = dict(tokens=80_000, replicas=2, inner_steps=10, seeds=[0], axes=["codec", "alignment", "feedback"],
              codecs=["none"], eval_batches=4, evals=4, warmup_steps=20)
@@ -70,6 +71,7 @@ class Cell:
     outer_momentum: float = 0.9
     outer_lr_decay: bool = False  # the outer lr follows the inner cosine
     warm: float = 0.0  # fraction of the tokens trained data-parallel before DiLoCo starts
+    outer_warmup: int = 0  # outer steps blending from plain averaging to Nesterov (``RunConfig.outer_warmup``)
 
     @property
     def label(self) -> str:
@@ -79,7 +81,9 @@ class Cell:
                 "slow": f"one replica {SLOWDOWN:g}x slower", "outer-lr": f"outer lr {self.outer_lr:g}",
                 "outer-lr-decay": f"outer lr {self.outer_lr:g}, decaying with the inner lr",
                 "averaging": "plain averaging (outer lr 1, momentum 0)",
-                "warm-start": f"data-parallel for the first {self.warm:.0%} of the tokens"}[self.axis]
+                "warm-start": f"data-parallel for the first {self.warm:.0%} of the tokens",
+                "outer-warmup": f"outer warm-up over {self.outer_warmup} steps, from plain averaging to "
+                                f"Nesterov lr {self.outer_lr:g}"}[self.axis]
 
     def paces(self) -> List[float]:
         return [1.0] * (self.replicas - 1) + [SLOWDOWN if self.slow else 1.0]
@@ -100,6 +104,8 @@ def cells(args) -> List[Cell]:
                            for lr in args.decayed_outer_lrs],
         "averaging": [dataclasses.replace(centre, axis="averaging", outer_lr=1.0, outer_momentum=0.0)],
         "warm-start": [dataclasses.replace(centre, axis="warm-start", warm=warm) for warm in args.warm_starts],
+        "outer-warmup": [dataclasses.replace(centre, axis="outer-warmup", outer_warmup=steps, outer_lr=lr)
+                         for steps in args.outer_warmups for lr in args.warmed_outer_lrs],
     }
     same = dataclasses.replace(centre, axis="")
     return [centre] + [cell for axis in args.axes for cell in varied[axis]
@@ -126,7 +132,8 @@ def cell_run(cell: Cell, args) -> RunConfig:
     return base_run(args, inner_steps=cell.inner_steps, lr_decay_steps=steps,
                     compression=cell.compression, error_feedback=cell.feedback,
                     align_every=args.align_every if cell.align else 0, outer_lr=cell.outer_lr,
-                    outer_momentum=cell.outer_momentum, outer_lr_decay=cell.outer_lr_decay)
+                    outer_momentum=cell.outer_momentum, outer_lr_decay=cell.outer_lr_decay,
+                    outer_warmup=cell.outer_warmup)
 
 
 def dp_steps(replicas: int, args) -> int:
@@ -612,6 +619,10 @@ def parse_args(argv: Sequence[str]):
                         help="peak outer lrs of the outer-lr-decay axis")
     parser.add_argument("--warm-starts", type=float, nargs="*", default=[0.2],
                         help="fractions of the tokens trained data-parallel before DiLoCo starts")
+    parser.add_argument("--outer-warmups", type=int, nargs="*", default=[4, 8],
+                        help="outer steps of the outer-warmup axis (plain averaging blended into Nesterov)")
+    parser.add_argument("--warmed-outer-lrs", type=float, nargs="*", default=[0.7],
+                        help="the Nesterov outer lrs the outer-warmup axis blends into")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)

@@ -142,7 +142,7 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
             tokens += stats.tokens
             train_losses.append(stats.loss)
         averaged = roundtrip(codec, reduce(contributions, weights, run.clip_factor))  # the reducers' encoded reply
-        nesterov_step(params, momentum, averaged, run.outer_lr_at(global_step), run.outer_momentum)
+        nesterov_step(params, momentum, averaged, run.outer_lr_at(global_step), run.outer_momentum_at(global_step))
         if run.align_every and (round_index + 1) % run.align_every == 0:
             moments = [layout.gather(t.first_moments(), layout.empty()) for t in trainers]
             sent += sum(encoded_bytes(codec, moment) for moment in moments)

@@ -46,6 +46,9 @@ class RunConfig:
     outer_lr: float = opt(0.7, "outer Nesterov learning rate (DiLoCo: 0.7)")
     outer_momentum: float = opt(0.9, "outer Nesterov momentum (DiLoCo: 0.9)")
     outer_lr_decay: bool = opt(False, "decay the outer lr along the inner lr's cosine, to --outer-lr x --min-lr-ratio")
+    outer_warmup: int = opt(0, "outer steps over which the outer step blends linearly from plain averaging (lr 1, "
+                               "momentum 0) to Nesterov at --outer-lr and --outer-momentum (0 = Nesterov from the "
+                               "first)")
     compression: str = opt("fp16", "wire codec for the all-reduce", choices=tuple(CODECS))
     error_feedback: bool = opt(True, "carry what the codec dropped from our delta into the next round")
     align_every: int = opt(4, "average the inner AdamW first moment every k rounds (0 = never)")
@@ -76,7 +79,7 @@ class RunConfig:
         require_positive(self, "seq_len", "batch_size", "inner_steps", "eval_batches", "eval_every", "quorum")
         require_non_negative(self, "round_seconds", "weight_decay", "grad_clip", "align_every", "grace_seconds",
                              "clip_factor", "ban_after", "group_size",
-                             "lr_decay_steps", "warmup_steps", "max_staleness")
+                             "lr_decay_steps", "warmup_steps", "max_staleness", "outer_warmup")
         if self.lr is not None and not 0 < self.lr < 1:
             raise ValueError(f"lr must be in (0, 1), got {self.lr}")
         if self.group_size == 1:
@@ -99,9 +102,22 @@ class RunConfig:
     def outer_lr_at(self, global_step: int) -> float:
         """The outer lr of the step that closes the round begun at ``global_step``: a function of the epoch
         alone, so every member of a group computes the same one (on every machine: ``portable_cos``)."""
-        if not self.outer_lr_decay:
-            return self.outer_lr
-        return self.outer_lr * cosine_factor(global_step, self.lr_decay_steps, self.min_lr_ratio, portable_cos)
+        lr = self.outer_lr
+        if self.outer_lr_decay:
+            lr *= cosine_factor(global_step, self.lr_decay_steps, self.min_lr_ratio, portable_cos)
+        blend = self._outer_blend(global_step)
+        return lr if blend >= 1 else 1.0 + blend * (lr - 1.0)
+
+    def outer_momentum_at(self, global_step: int) -> float:
+        """The outer momentum of that step: ``outer_momentum``, ramped up from 0 over ``outer_warmup`` steps."""
+        return self.outer_momentum * min(1.0, self._outer_blend(global_step))
+
+    def _outer_blend(self, global_step: int) -> float:
+        """0 at the first outer step, 1 from step ``outer_warmup`` on (IEEE division of small integers: the same
+        bits everywhere)."""
+        if not self.outer_warmup:
+            return 1.0
+        return min(1.0, (global_step // max(self.inner_steps or 1, 1)) / self.outer_warmup)
 
     def resolved(self) -> "RunConfig":
         """Fill every preset-dependent default, so the manifest pins concrete values."""

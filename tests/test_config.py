@@ -61,6 +61,16 @@ def test_the_outer_lr_decays_with_the_inner_lr_only_when_asked():
     assert max(abs(portable_cos(x / 100) - math.cos(x / 100)) for x in range(315)) < 1e-15
 
 
+def test_the_outer_warmup_blends_plain_averaging_into_nesterov_by_the_epoch():
+    run = RunConfig(inner_steps=100, outer_lr=0.7, outer_momentum=0.9, outer_warmup=4)
+    steps = [epoch * 100 for epoch in (0, 1, 2, 4, 9)]
+    assert [round(run.outer_lr_at(s), 6) for s in steps] == [1.0, 0.925, 0.85, 0.7, 0.7]  # lr 1, momentum 0 first
+    assert [round(run.outer_momentum_at(s), 6) for s in steps] == [0.0, 0.225, 0.45, 0.9, 0.9]
+    assert run.outer_lr_at(450) == run.outer_lr_at(400) == run.outer_lr  # within an epoch, and exactly after
+    off = dataclasses.replace(run, outer_warmup=0)
+    assert (off.outer_lr_at(0), off.outer_momentum_at(0)) == (0.7, 0.9)
+
+
 def test_manifest_hash_is_stable_and_covers_every_setting():
     settings = RunConfig().to_settings()
     assert RunManifest("r", settings).hash == RunManifest("r", dict(settings)).hash

@@ -287,7 +287,7 @@ class Synchronizer:
                 result.error = describe(result.outcome)
                 return
             self.lineage.merged(self.state.epoch, own_delta, gathered[peer_id].tokens)
-            nesterov_step(self.state.params, self.state.momentum, tensors[0], self.outer_lr(), self.run.outer_momentum)
+            nesterov_step(self.state.params, self.state.momentum, tensors[0], self.outer_lr(), self.outer_momentum())
             if averaged.aligned:
                 self.local.load_first_moments([view for _, view in self.layout.slices(tensors[1])])
             self.state.merged = merge_contributors(self.state.merged, gathered, self.state.epoch)
@@ -308,6 +308,10 @@ class Synchronizer:
         """The outer lr of the step from our epoch to the next."""
         return self.run.outer_lr_at(self.state.epoch * self.run.inner_steps)
 
+    def outer_momentum(self) -> float:
+        """The outer momentum of that step."""
+        return self.run.outer_momentum_at(self.state.epoch * self.run.inner_steps)
+
     def producers(self) -> List[str]:
         """The peers whose deltas our state's last outer step merged."""
         return [peer for peer, epoch in self.state.merged.items() if epoch == self.state.epoch - 1]
@@ -317,7 +321,7 @@ class Synchronizer:
         (from theta as frozen at the round's end) in place of the group's average (peer/train/local.py)."""
         params, momentum = self.state.params.clone(), self.state.momentum.clone()
         own_delta = torch.sub(params, self.local.gather(self.layout.empty()))
-        nesterov_step(params, momentum, own_delta, self.outer_lr(), self.run.outer_momentum)
+        nesterov_step(params, momentum, own_delta, self.outer_lr(), self.outer_momentum())
         return params
 
     def round_budget(self) -> float:
