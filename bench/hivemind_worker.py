@@ -10,7 +10,10 @@ the next local step still waits for that round to finish), or with ``--no-delay-
 the step that ends the epoch. It trains the peer's model on the peer's data (``peer.train.model``,
 ``peer.train.data``) with the same batch, pacing and threads, and appends a JSON line per epoch that
 ``bench.wan`` reads like a peer's metrics: ``compute_seconds`` (forward, backward, the local AdamW step
-and the pacing pad, as a peer counts its inner steps) and ``time``, so both systems get one metric.
+and the pacing pad, as a peer counts its inner steps) and ``time``, so both systems get one metric. The
+AdamW lr follows the peer's schedule (``--lr``, ``--warmup-steps``, ``--lr-decay-steps``: linear warmup,
+cosine decay). With ``--eval-every K``, every K epochs a worker also evaluates its model on the peers'
+held-out batches (``eval_loss``, ``bench.head_to_head``), and ``tokens_total`` counts the epochs' samples.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import hivemind
 import torch
 from hivemind.compression import Float16Compression
 
+from bench.sync_worker import held_out_loss
 from dht.node import DHTConfig, start_dht
 from peer.config import RunConfig
 from peer.train.data import load_corpus
@@ -97,14 +101,22 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0, help="initial weights (the same on every worker)")
     parser.add_argument("--shard", default="0", help="this worker's data order")
+    parser.add_argument("--lr", type=float, help="peak AdamW lr (default: the preset's)")
+    parser.add_argument("--warmup-steps", type=int, help="linear warmup steps (default: the preset's)")
+    parser.add_argument("--lr-decay-steps", type=int, default=RunConfig.lr_decay_steps)
+    parser.add_argument("--eval-every", type=int, default=0, help="epochs between evaluations (0 = never)")
+    parser.add_argument("--eval-batches", type=int, default=RunConfig.eval_batches)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    run = RunConfig(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed).resolved()
+    run = RunConfig(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed, lr=args.lr,
+                    warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,
+                    eval_batches=args.eval_batches).resolved()
 
     tokenizer = load_tokenizer(run.tokenizer)
     corpus = load_corpus(run.dataset, tokenizer, run.seq_len, run.eval_fraction)
     model = build_model(run.model, tokenizer.vocab_size, run.seq_len, run.seed)
     stream = corpus.stream(run.seed, f"hivemind-{args.shard}", 0)
+    eval_batches = corpus.eval_batches(run.eval_batches, run.batch_size) if args.eval_every else []
     dht = start_dht(DHTConfig(initial_peers=tuple(args.initial_peers), host_maddrs=tuple(args.host_maddrs)))
     log = AveragingLog()
     logging.getLogger("hivemind").addHandler(log)  # hivemind's loggers stop at its root logger
@@ -119,10 +131,12 @@ def main(argv=None) -> int:
     )
     print(f"worker up: {dht.peer_id}, epoch {opt.local_epoch}", flush=True)
 
-    epoch, since, compute, steps, losses = opt.local_epoch, time.time(), 0.0, 0, []
+    epoch, since, compute, steps, losses, taken = opt.local_epoch, time.time(), 0.0, 0, [], 0
     model.train()
     while True:
         start, clock["adamw"] = time.monotonic(), 0.0
+        for group in opt.opt.param_groups:  # the peer's schedule (``InnerTrainer.lr_at``)
+            group["lr"] = run.lr * min(1.0, (taken + 1) / max(run.warmup_steps or 1, 1)) * run.lr_factor(taken)
         batch = stream.next_batch(run.batch_size)
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
@@ -133,14 +147,17 @@ def main(argv=None) -> int:
         work = forward_backward + clock["adamw"]
         time.sleep(max(0.0, args.min_step_seconds - work))  # as the peers' pacing: a slower device
         compute += max(work, args.min_step_seconds)
-        steps += 1
+        steps, taken = steps + 1, taken + 1
         losses.append(loss.item())
         if opt.local_epoch != epoch:
+            due = args.eval_every and opt.local_epoch % args.eval_every == 0
+            evaluated = held_out_loss(model, eval_batches) if due else None
             now = time.time()
             groups, failures = log.take()
             record = dict(epoch=opt.local_epoch, time=now, wall_seconds=now - since, compute_seconds=compute,
                           inner_steps=steps, loss=sum(losses) / len(losses), groups=groups, failures=failures,
-                          peers_seen=opt.tracker.global_progress.num_peers)
+                          peers_seen=opt.tracker.global_progress.num_peers, eval_loss=evaluated,
+                          tokens_total=opt.local_epoch * args.target_batch_size * run.seq_len)
             with open(args.metrics_file, "a") as f:
                 f.write(json.dumps(record) + "\n")
             epoch, since, compute, steps, losses = opt.local_epoch, now, 0.0, 0, []
