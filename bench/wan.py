@@ -108,6 +108,7 @@ def start_workers(swarm: Swarm, net: TestNetwork, system: str, preset: str, args
                     "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
                     "--target-batch-size", str(target), "--matchmaking-time", str(args.grace_seconds),
                     "--min-step-seconds", str(pace), "--threads", "1", "--shard", str(i),
+                    "--warmup-steps", str(max(1, round(args.round_seconds / pace))),  # as the peers
                     *(["--no-delay-state-averaging"] if system == "hivemind-blocking" else []),
                     "--metrics-file", str(log_dir / f"w{i}.jsonl")]
             proc = Proc(argv, log_dir, f"w{i}", wrap)
