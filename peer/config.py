@@ -46,7 +46,7 @@ class RunConfig:
     outer_lr: float = opt(0.7, "outer Nesterov learning rate (DiLoCo: 0.7)")
     outer_momentum: float = opt(0.9, "outer Nesterov momentum (DiLoCo: 0.9)")
     outer_lr_decay: bool = opt(False, "decay the outer lr along the inner lr's cosine, to --outer-lr x --min-lr-ratio")
-    outer_warmup: int = opt(0, "outer steps over which the outer step blends linearly from plain averaging (lr 1, "
+    outer_warmup: int = opt(8, "outer steps over which the outer step blends linearly from plain averaging (lr 1, "
                                "momentum 0) to Nesterov at --outer-lr and --outer-momentum (0 = Nesterov from the "
                                "first)")
     compression: str = opt("fp16", "wire codec for the all-reduce", choices=tuple(CODECS))

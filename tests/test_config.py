@@ -53,7 +53,7 @@ def test_resolved_fills_preset_defaults_and_keeps_explicit_ones():
 
 
 def test_the_outer_lr_decays_with_the_inner_lr_only_when_asked():
-    run = RunConfig(outer_lr=0.4, lr_decay_steps=1000, min_lr_ratio=0.1)
+    run = RunConfig(outer_lr=0.4, lr_decay_steps=1000, min_lr_ratio=0.1, outer_warmup=0)
     assert [run.outer_lr_at(step) for step in (0, 500, 1000, 5000)] == [0.4] * 4
     decaying = dataclasses.replace(run, outer_lr_decay=True)
     assert [round(decaying.outer_lr_at(step), 6) for step in (0, 500, 1000, 5000)] == [0.4, 0.22, 0.04, 0.04]

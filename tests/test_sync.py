@@ -23,7 +23,8 @@ from tests.harness.fake import FakeClock, FakePeer, across, record, with_group
 def stepped(peer, delta):
     """G and m after one outer step from the peer's state with ``delta``."""
     params, momentum = peer.state.params.clone(), peer.state.momentum.clone()
-    nesterov_step(params, momentum, delta, peer.run.outer_lr, peer.run.outer_momentum)
+    step = peer.state.epoch * peer.run.inner_steps
+    nesterov_step(params, momentum, delta, peer.run.outer_lr_at(step), peer.run.outer_momentum_at(step))
     return params, momentum
 
 

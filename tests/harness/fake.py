@@ -248,7 +248,8 @@ class FakePeer:
         """The state one outer step from ours (with ``delta`` as the averaged pseudo-gradient), merged from
         ``contributors``: its holders publish it and serve it. Returns its hash."""
         params, momentum = self.state.params.clone(), self.state.momentum.clone()
-        nesterov_step(params, momentum, delta, self.run.outer_lr, self.run.outer_momentum)
+        step = self.state.epoch * self.run.inner_steps
+        nesterov_step(params, momentum, delta, self.run.outer_lr_at(step), self.run.outer_momentum_at(step))
         epoch = self.state.epoch + 1
         merged = merge_contributors(self.state.merged, contributors, self.state.epoch)
         digest = state_hash(params, momentum, epoch)
