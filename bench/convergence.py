@@ -71,7 +71,7 @@ class Cell:
     outer_momentum: float = 0.9
     outer_lr_decay: bool = False  # the outer lr follows the inner cosine
     warm: float = 0.0  # fraction of the tokens trained data-parallel before DiLoCo starts
-    outer_warmup: int = 0  # outer steps blending from plain averaging to Nesterov (``RunConfig.outer_warmup``)
+    outer_warmup: int = 0  # outer steps blending from plain averaging to Nesterov (the product's default: 8)
 
     @property
     def label(self) -> str:
@@ -113,6 +113,9 @@ def cells(args) -> List[Cell]:
 
 
 def base_run(args, **settings) -> RunConfig:
+    # the sweep's centre keeps DiLoCo's outer schedule, Nesterov from the first step (``Cell.outer_warmup``); so do
+    # the settings of the baselines, which no outer step reads (the cache's keys of earlier runs stay valid)
+    settings.setdefault("outer_warmup", 0)
     return RunConfig(model=MODEL, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                      warmup_steps=args.warmup_steps, eval_batches=args.eval_batches, **settings)
 
