@@ -29,18 +29,16 @@ import argparse
 import datetime
 import os
 import shlex
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from bench.wan import LINKS, Link, LinkMeter, head_commit, tail
-from docker.netns import TestNetwork, available
+from bench.wan import LINKS, Link, LinkMeter, head_commit, start_driver, tail
+from docker.netns import TestNetwork
 from tests.harness.swarm import PeerProc, Proc, Swarm, read_metrics
 
 SYSTEMS = ("diloco", "hivemind", "dp")
@@ -275,13 +273,9 @@ def parse_args(argv: List[str]):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
-    ok, reason = available()
-    if not ok:
-        print(f"error: the namespace network is not available here: {reason}", file=sys.stderr)
+    root = start_driver("h2h_")
+    if root is None:
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERMed driver still reaps its workers
-    root = Path(tempfile.mkdtemp(prefix="h2h_"))
-    print(f"logs and metrics: {root}", flush=True)
     results, sections, began = [], [], time.monotonic()
     for preset in args.presets:
         for name in args.links:

@@ -82,7 +82,7 @@ def timed_adamw(run: RunConfig, clock: dict):
     return factory
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--initial-peers", nargs="+", required=True)
     parser.add_argument("--host-maddrs", nargs="+", default=["/ip4/0.0.0.0/tcp/0"])
@@ -106,7 +106,11 @@ def main(argv=None) -> int:
     parser.add_argument("--lr-decay-steps", type=int, default=RunConfig.lr_decay_steps)
     parser.add_argument("--eval-every", type=int, default=0, help="epochs between evaluations (0 = never)")
     parser.add_argument("--eval-batches", type=int, default=RunConfig.eval_batches)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     run = RunConfig(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed, lr=args.lr,
                     warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,

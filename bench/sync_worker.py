@@ -36,7 +36,7 @@ from peer.train.tokenizer import load_tokenizer
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # outlasts a 30 s freeze: the job waits, as DDP does
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
@@ -56,7 +56,11 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-every", type=int, default=0, help="records between evaluations (0 = never)")
     parser.add_argument("--eval-batches", type=int, default=RunConfig.eval_batches)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     run = RunConfig(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, inner_steps=args.inner_steps,
                     lr=args.lr, warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,

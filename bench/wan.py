@@ -353,6 +353,19 @@ def header(argv: List[str], args) -> str:
             f"worker after the first; batch {args.batch_size} x {args.seq_len} tokens, steps paced to {paces}:\n\n")
 
 
+def start_driver(prefix: str) -> Optional[Path]:
+    """Before a benchmark's namespace swarms: the network's check (None, said in one line, where it is missing), a
+    SIGTERM that still reaps the workers, and a fresh folder for their logs and metrics."""
+    ok, reason = available()
+    if not ok:
+        print(f"error: the namespace network is not available here: {reason}", file=sys.stderr)
+        return None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERMed driver still reaps its workers
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    print(f"logs and metrics: {root}", flush=True)
+    return root
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -382,13 +395,9 @@ def main(argv=None) -> int:
     args.presets, links, systems = args.presets.split(","), args.links.split(","), args.systems.split(",")
     if set(links) - set(LINKS) or set(systems) - set(SYSTEMS):
         parser.error(f"--links takes some of {tuple(LINKS)}, --systems some of {SYSTEMS}")
-    ok, reason = available()
-    if not ok:
-        print(f"error: the namespace network is not available here: {reason}", file=sys.stderr)
+    root = start_driver("wan_")
+    if root is None:
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a SIGTERMed driver still reaps its workers
-    root = Path(tempfile.mkdtemp(prefix="wan_"))
-    print(f"logs and metrics: {root}", flush=True)
     results, began = [], time.monotonic()
     for preset in args.presets:
         for name in links:
