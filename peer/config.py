@@ -110,7 +110,7 @@ class RunConfig:
 
     def outer_momentum_at(self, global_step: int) -> float:
         """The outer momentum of that step: ``outer_momentum``, ramped up from 0 over ``outer_warmup`` steps."""
-        return self.outer_momentum * min(1.0, self._outer_blend(global_step))
+        return self.outer_momentum * self._outer_blend(global_step)
 
     def _outer_blend(self, global_step: int) -> float:
         """0 at the first outer step, 1 from step ``outer_warmup`` on (IEEE division of small integers: the same
