@@ -137,8 +137,8 @@ def run_system(system: str, preset: str, net: TestNetwork, args, log_dir: Path, 
             records = [read_metrics(w.metrics_path) for w in workers]
             curve.rounds = rounds_done(system, records)
             dead = [f"{w.name} exited (rc={w.popen.returncode}): {tail(w.stderr)}" for w in workers if not w.alive()]
-            if (budget is None and curve.rounds >= args.rounds) or dead or \
-                    (budget is not None and time.time() - launched > budget):
+            done = curve.rounds >= args.rounds if budget is None else time.time() - launched > budget
+            if done or dead:
                 curve.problems += dead
                 break
     finally:

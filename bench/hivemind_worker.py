@@ -30,10 +30,10 @@ import hivemind
 import torch
 from hivemind.compression import Float16Compression
 
-from bench.sync_worker import held_out_loss
 from dht.node import DHTConfig, start_dht
 from peer.config import RunConfig
 from peer.train.data import load_corpus
+from peer.train.inner import mean_loss
 from peer.train.model import build_model
 from peer.train.tokenizer import load_tokenizer
 
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
         losses.append(loss.item())
         if opt.local_epoch != epoch:
             due = args.eval_every and opt.local_epoch % args.eval_every == 0
-            evaluated = held_out_loss(model, eval_batches) if due else None
+            evaluated = mean_loss(model, eval_batches) if due else None
             now = time.time()
             groups, failures = log.take()
             record = dict(epoch=opt.local_epoch, time=now, wall_seconds=now - since, compute_seconds=compute,

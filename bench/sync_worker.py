@@ -29,7 +29,7 @@ import torch.distributed as dist
 from peer.config import RunConfig
 from peer.ops.checkpoint import load_checkpoint, save_checkpoint
 from peer.train.data import load_corpus
-from peer.train.inner import InnerTrainer
+from peer.train.inner import InnerTrainer, mean_loss
 from peer.train.model import build_model
 from peer.train.tokenizer import load_tokenizer
 
@@ -78,8 +78,7 @@ def main(argv=None) -> int:
     batches = iter(lambda: stream.next_batch(run.batch_size), None)
     held_out = corpus.eval_batches(run.eval_batches, run.batch_size) if args.eval_every and args.rank == 0 else []
     if held_out and step == 0:
-        write(args.metrics_file, dict(time=time.time(), epoch=0, tokens_total=0, eval_loss=held_out_loss(model,
-                                                                                                          held_out)))
+        write(args.metrics_file, dict(time=time.time(), epoch=0, tokens_total=0, eval_loss=mean_loss(model, held_out)))
     tokens_per_step = args.world_size * run.batch_size * run.seq_len
     while True:
         stats = trainer.train(batches, run.inner_steps, step)
@@ -87,7 +86,7 @@ def main(argv=None) -> int:
         if args.rank == 0:
             checkpoint(args.checkpoint_dir, model, trainer, step)
             epoch = step // run.inner_steps
-            evaluated = held_out_loss(model, held_out) if held_out and epoch % args.eval_every == 0 else None
+            evaluated = mean_loss(model, held_out) if held_out and epoch % args.eval_every == 0 else None
             write(args.metrics_file, dict(time=time.time(), epoch=epoch, loss=stats.loss,
                                           tokens=stats.tokens * args.world_size, tokens_total=step * tokens_per_step,
                                           compute_seconds=stats.compute_seconds, sync_seconds=0.0, applied=True,
@@ -115,16 +114,6 @@ def checkpoint(directory, model: torch.nn.Module, trainer: InnerTrainer, step: i
                                                                      step=step)):
         # a baseline that cannot checkpoint would restart from scratch at every kill: a wrong result
         raise SystemExit(f"rank 0: checkpoint not written to {directory}: the baseline is void")
-
-
-@torch.no_grad()
-def held_out_loss(model: torch.nn.Module, batches) -> float:
-    """Mean loss on the held-out batches, on the plain module (no collective), as a peer evaluates
-    (``InnerTrainer.evaluate``)."""
-    model.eval()
-    losses = [model(input_ids=batch, labels=batch).loss.item() for batch in batches]
-    model.train()
-    return sum(losses) / len(losses)
 
 
 def write(path: str, record: dict) -> None:

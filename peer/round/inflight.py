@@ -15,7 +15,6 @@ class InFlight:
     def __init__(self, stats, tokens: int, rounds: int):
         self.stats, self.tokens, self.rounds = stats, tokens, rounds
         self.started = self.finished = time.monotonic()
-        self.budget = 0.0  # the longest the sync may block, retries included (``Synchronizer.round_budget``)
         self.done = threading.Event()
         self.result: Optional[SyncResult] = None
         self.error: Optional[BaseException] = None

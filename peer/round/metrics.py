@@ -22,6 +22,6 @@ def round_record(parts, job, result, sync_seconds: float, eval_loss: Optional[fl
         offences=result.offences, reduced=round(result.reduced, 4), peak_memory_bytes=trainer.peak_memory(),
         device=str(trainer.device),
         overlap=overlap, sync_wall_seconds=job.finished - job.started,
-        sync_deadline=result.deadline or job.budget, sync_waited_seconds=result.waited,
+        sync_deadline=result.deadline, sync_waited_seconds=result.waited,
         sync_catch_up_seconds=result.catch_up_seconds,
     )

@@ -137,7 +137,7 @@ class Peer:
         progress.pending_tokens += self.parts.lineage.take_recovered_tokens()
         step_seconds = clock.step_seconds or stats.compute_seconds / stats.steps
         job = InFlight(stats, progress.pending_tokens, progress.pending_rounds)
-        budget = job.budget = synchronizer.round_budget()
+        budget = synchronizer.round_budget()
         meet_at = clock.target  # the round that just ended: its planned end, when its group meets
 
         def sync() -> SyncResult:

@@ -30,6 +30,23 @@ class InnerStats:
     rank_tokens: Optional[List[int]] = None  # in an island: each rank's tokens (``tokens`` is their sum)
 
 
+def batch_loss(model: torch.nn.Module, batch: torch.Tensor, device: torch.device, autocast: bool) -> torch.Tensor:
+    """The causal-LM loss of ``batch`` (bf16 autocast where ``autocast``: on CUDA)."""
+    batch = batch.to(device, non_blocking=True)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        return model(input_ids=batch, labels=batch).loss
+
+
+@torch.no_grad()
+def mean_loss(module: torch.nn.Module, batches: Iterable[torch.Tensor], device: torch.device = torch.device("cpu"),
+              autocast: bool = False) -> float:
+    """Mean loss on ``batches`` in eval mode: a peer's ``eval_loss``, and the benchmarks' baselines' too."""
+    module.eval()
+    losses = [batch_loss(module, batch, device, autocast).item() for batch in batches]
+    module.train()
+    return sum(losses) / len(losses) if losses else float("nan")
+
+
 class InnerTrainer:
     def __init__(self, model: torch.nn.Module, run: RunConfig, device: torch.device, micro_batch: int = 0,
                  min_step_seconds: float = 0.0, island=None, compile: bool = False):
@@ -64,9 +81,7 @@ class InnerTrainer:
         return run.lr * warmup * run.lr_factor(global_step)
 
     def _loss(self, batch: torch.Tensor, model: Optional[torch.nn.Module] = None) -> torch.Tensor:
-        batch = batch.to(self.device, non_blocking=True)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return (model or self.model)(input_ids=batch, labels=batch).loss
+        return batch_loss(model or self.model, batch, self.device, self.autocast)
 
     def touch(self) -> None:
         """Someone other than the inner steps changed theta or the optimizer's state."""
@@ -119,13 +134,9 @@ class InnerTrainer:
         stats.loss = sum(losses) / len(losses) if losses else float("nan")
         return stats
 
-    @torch.no_grad()
     def evaluate(self, batches: Iterable[torch.Tensor]) -> float:
         """Mean loss on ``batches``, on this process alone (the plain module: no island collective)."""
-        self.module.eval()
-        losses = [self._loss(batch, self.module).item() for batch in batches]
-        self.module.train()
-        return sum(losses) / len(losses) if losses else float("nan")
+        return mean_loss(self.module, batches, self.device, self.autocast)
 
     def peak_memory(self) -> int:
         """Peak bytes so far: allocated on the GPU we train on, or this process's peak RSS on a CPU."""
