@@ -35,7 +35,10 @@ class RunConfig:
     text_field: str = opt("text", "field that holds the text in a Hugging Face dataset")
     seq_len: Optional[int] = opt(None, "tokens per training sequence; default: the preset's")
     batch_size: Optional[int] = opt(None, "sequences per inner step on each peer; default: the preset's")
-    inner_steps: Optional[int] = opt(None, "H: inner steps per round; default: the preset's")
+    inner_steps: Optional[int] = opt(None, "H: inner steps between two averagings of each parameter; default: the "
+                                           "preset's")
+    fragments: int = opt(1, "F: cut the model into F fragments averaged on staggered schedules: a round is H/F inner "
+                            "steps and averages one fragment, so each round sends 1/F of the model (Streaming DiLoCo)")
     round_seconds: float = opt(0.0, "if > 0, a round is this many seconds of compute instead of H steps")
     lr: Optional[float] = opt(None, "peak inner AdamW learning rate; default: the preset's")
     warmup_steps: Optional[int] = opt(None, "inner steps of linear warmup on a fresh optimizer")
@@ -76,7 +79,10 @@ class RunConfig:
     def __post_init__(self):
         if not self.model:
             raise ValueError("model must name a preset, a Hugging Face model directory or a hub name")
-        require_positive(self, "seq_len", "batch_size", "inner_steps", "eval_batches", "eval_every", "quorum")
+        require_positive(self, "seq_len", "batch_size", "inner_steps", "eval_batches", "eval_every", "quorum",
+                         "fragments")
+        if self.inner_steps is not None and self.inner_steps % self.fragments:
+            raise ValueError(f"inner_steps must be a multiple of fragments ({self.fragments}), got {self.inner_steps}")
         require_non_negative(self, "round_seconds", "weight_decay", "grad_clip", "align_every", "grace_seconds",
                              "clip_factor", "ban_after", "group_size",
                              "lr_decay_steps", "warmup_steps", "max_staleness", "outer_warmup")
@@ -95,13 +101,24 @@ class RunConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
+    @property
+    def round_steps(self) -> int:
+        """Inner steps per round: H, or H / F with fragments (each fragment is still averaged every H steps)."""
+        return (self.inner_steps or run_defaults(self.model).inner_steps) // self.fragments
+
+    def global_step(self, epoch: int) -> int:
+        """The swarm's global inner step at the start of the round that closes ``epoch``: what the schedules follow.
+        A fragment's outer steps come every F epochs, so ``global_step // H`` counts them."""
+        return epoch * self.round_steps
+
     def lr_factor(self, global_step: int) -> float:
         """The inner lr's cosine decay at a global inner step (epoch x H) (``peer/outer/schedule.py``)."""
         return cosine_factor(global_step, self.lr_decay_steps, self.min_lr_ratio)
 
     def outer_lr_at(self, global_step: int) -> float:
-        """The outer lr of the step that closes the round begun at ``global_step``: a function of the epoch
-        alone, so every member of a group computes the same one (on every machine: ``portable_cos``)."""
+        """The outer lr of the step that closes the round begun at ``global_step`` (``global_step(epoch)``): a
+        function of the epoch alone, so every member of a group computes the same one (on every machine:
+        ``portable_cos``)."""
         lr = self.outer_lr
         if self.outer_lr_decay:
             lr *= cosine_factor(global_step, self.lr_decay_steps, self.min_lr_ratio, portable_cos)
@@ -114,7 +131,7 @@ class RunConfig:
 
     def _outer_blend(self, global_step: int) -> float:
         """0 at the first outer step, 1 from step ``outer_warmup`` on (IEEE division of small integers: the same
-        bits everywhere)."""
+        bits everywhere). With fragments, a fragment's own outer steps count: one every H global steps."""
         if not self.outer_warmup:
             return 1.0
         return min(1.0, (global_step // max(self.inner_steps or 1, 1)) / self.outer_warmup)

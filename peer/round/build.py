@@ -39,6 +39,7 @@ from peer.ops.report import Reporter
 from peer.ops.status import snapshot
 from peer.ops.trackers import Trackers
 from peer.outer.contributions import Contributions
+from peer.outer.fragments import Fragments
 from peer.outer.lineage import Lineage
 from peer.outer.state import GlobalState
 from peer.round.announce import Announcer, Identity
@@ -164,7 +165,10 @@ def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, reach: Reach,
         with lock:
             return state.metadata(), [state.params.clone(), state.momentum.clone()]
 
-    delta, moment = layout.empty(shared=True), layout.empty(shared=True) if run.align_every else None
+    # a round averages one fragment of the flat vector (the whole of it without --fragments)
+    size = Fragments(layout.numel, run.fragments).size
+    delta = torch.zeros(size).share_memory_()
+    moment = torch.zeros(size).share_memory_() if run.align_every else None
     averager = SwarmAverager(
         delta, moment, dht, prefix=f"{namespace}_{manifest.hash}", codec=codec, state_provider=share_state,
         quorum=run.quorum, grace_seconds=run.grace_seconds, request_timeout=sync.request_timeout,

@@ -118,13 +118,13 @@ class Peer:
             clock.watch()
             if self.inflight is None and self._checkpoint_due():  # the round so far, should this process die
                 self._checkpoint(round_tokens=tokens, round_steps=step)
-            if step == max(1, min(steps, run.inner_steps) // 2):
+            if step == max(1, min(steps, run.round_steps) // 2):
                 self.hooks.at(INNER, epoch_at_start)
 
         def should_stop(steps_done: int) -> bool:
             return self.stop_requested.is_set() or clock.over(steps_done)
 
-        stats = self.parts.trainer.train(batches, steps, self.state.epoch * run.inner_steps, should_stop, on_step)
+        stats = self.parts.trainer.train(batches, steps, run.global_step(self.state.epoch), should_stop, on_step)
         if self.island is not None:  # the island's weight: the tokens of all its ranks
             stats.rank_tokens = self.island.end_round(stats.tokens)
             stats.tokens = sum(stats.rank_tokens)
