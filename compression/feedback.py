@@ -40,6 +40,13 @@ class ErrorFeedback:
         lossless = codec.bits_per_value >= 32
         self.residual = torch.zeros(numel) if enabled and not lossless else None
 
+    def fragment(self, part: slice) -> "ErrorFeedback":
+        """The same feedback over one fragment of the vector: its residual is a view of ours, so what a fragment's
+        ``commit`` keeps stays in ours (``peer/outer/fragments.py``)."""
+        view = ErrorFeedback.__new__(ErrorFeedback)
+        view.codec, view.residual = self.codec, None if self.residual is None else self.residual[part]
+        return view
+
     def quantize(self, delta: torch.Tensor, out: torch.Tensor) -> None:
         """out <- decode(encode(delta + residual)): the contribution to send. Leaves the residual alone
         until ``commit``: an attempt that fails must not lose it."""

@@ -23,7 +23,7 @@ from tests.harness.fake import FakeClock, FakePeer, across, record, with_group
 def stepped(peer, delta):
     """G and m after one outer step from the peer's state with ``delta``."""
     params, momentum = peer.state.params.clone(), peer.state.momentum.clone()
-    step = peer.state.epoch * peer.run.inner_steps
+    step = peer.run.global_step(peer.state.epoch)
     nesterov_step(params, momentum, delta, peer.run.outer_lr_at(step), peer.run.outer_momentum_at(step))
     return params, momentum
 

@@ -55,10 +55,14 @@ class Lineage:
         epoch, self.resumed_epoch = self.resumed_epoch, None
         return epoch
 
-    def rebase(self, kind: Rebase, our_last_merged: int, new_params: torch.Tensor) -> None:
-        """Onto a new lineage (the local model moves as ``kind`` says; the caller moves it)."""
+    def rebase(self, kind: Rebase, our_last_merged: int, new_params: torch.Tensor, part: slice = slice(None)) -> None:
+        """Onto a new lineage (the local model moves as ``kind`` says; the caller moves it). ``part``: the fragment
+        whose outer step merged our work (with ``--fragments``)."""
         if kind is Rebase.OURS_MERGED:
-            self.carried = None
+            if self.carried is not None and part != slice(None):
+                self.carried[part] = 0  # what we carry in the other fragments has not gone out yet
+            else:
+                self.carried = None
         elif kind is Rebase.RESUMED_MERGED:
             self.dropped_resumed = True
             self.carried, self.recovered_tokens = None, 0
@@ -75,11 +79,16 @@ class Lineage:
             theta.add_(self.carried)
         return theta
 
-    def merged(self, epoch: int, sent: torch.Tensor, tokens: int) -> None:
-        """Our contribution ``sent`` (carried deltas included) was merged into the outer step at ``epoch``."""
-        self.contributions.remember(epoch, sent, tokens)
+    def merged(self, epoch: int, sent: torch.Tensor, tokens: int, offset: int = 0) -> None:
+        """Our contribution ``sent`` (carried deltas included) was merged into the outer step at ``epoch``. With
+        fragments it is one fragment of the flat vector, from ``offset`` on: only that part of what we carry went
+        out with it."""
+        self.contributions.remember(epoch, sent, tokens, offset)
         self.resumed_epoch = None  # sent and merged, whatever a restart resumed with
-        self.carried = None
+        if self.carried is not None and sent.numel() < self.carried.numel():
+            self.carried[offset: offset + sent.numel()] = 0
+        else:
+            self.carried = None
 
     def drop(self) -> None:
         """Past the staleness bound: forget our unmerged work."""

@@ -21,6 +21,7 @@ from diloco_compression.feedback import ErrorFeedback
 from dht.reach import Reach
 from dht.records import PeerRecord
 from peer.config import RunConfig, SyncConfig
+from peer.outer.fragments import Fragments
 from peer.outer.lineage import Lineage, Rebase, rebase_kind
 from peer.outer.state import GlobalState, state_hash
 from peer.round.announce import Announcer
@@ -52,6 +53,7 @@ class StateCatchUp:
         self.transport, self.clock, self.cache, self.announcer = transport, clock, cache, announcer
         self.state, self.local, self.layout, self.lineage, self.feedback = state, local, layout, lineage, feedback
         self.lock, self.deadlines, self.run, self.config = lock, deadlines, run, sync
+        self.fragments = Fragments(layout.numel, run.fragments)
 
     def refresh(self) -> Dict[str, PeerRecord]:
         """Read the swarm's records (within what a matchmaking request may take: a lookup crosses several hops)."""
@@ -107,14 +109,22 @@ class StateCatchUp:
             return None
         ours = merged.get(self.announcer.identity.peer_id, -1)
         kind = rebase_kind(ours, attempted_epoch, self.lineage.take_resumed_epoch())
+        # the fragment whose outer step merged our work (the whole vector without fragments): theta <- G_new there
+        part = self.fragments.of(ours)
         with self.lock:
             if kind is Rebase.OURS_MERGED:  # what we sent, carried deltas included, is merged
-                self.feedback.commit(self.lineage.own_delta(self.state.params, self.local.gather(self.layout.empty())))
-            self.lineage.rebase(kind, ours, params)
+                sent = self.lineage.own_delta(self.state.params, self.local.gather(self.layout.empty()))[part]
+                self.feedback.fragment(part).commit(sent)
+            self.lineage.rebase(kind, ours, params, part)
+            shift = params - self.state.params
             if kind is Rebase.KEEP_WORK:
-                self.local.shift(params - self.state.params)
-            else:
+                self.local.shift(shift)
+            elif self.fragments.whole():
                 self.local.set(params)
+            else:  # the rest of the model keeps the work of the steps since it was last averaged
+                shift[part] = 0
+                self.local.shift(shift)
+                self.local.set(params, part)
             self.state.params, self.state.momentum = params, momentum
             self.state.epoch, self.state.tokens_total, self.state.merged = epoch, tokens_total, merged
         return kind

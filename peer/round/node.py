@@ -200,9 +200,10 @@ class Peer:
 
     def _evaluate_global(self) -> float:
         """Held-out loss of the global parameters G. With overlap the model holds G plus the next round's
-        steps, so G is swapped in for the evaluation and the model restored after."""
+        steps, and with fragments the fragments not averaged this round hold their local work, so G is swapped in
+        for the evaluation and the model restored after."""
         trainer, layout, eval_batches = self.parts.trainer, self.parts.layout, self.parts.eval_batches
-        if not self.node.overlap:
+        if not self.node.overlap and self.run.fragments == 1:
             return trainer.evaluate(eval_batches)  # theta == G right after the outer step
         theta = layout.gather(trainer.params, layout.empty())
         layout.scatter(self.state.params, trainer.params)

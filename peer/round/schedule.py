@@ -10,7 +10,8 @@
   up mid-round (keeping its work) and takes the swarm's end time as its own.
 
 Within the deadline a faster peer may do up to 2H steps and a slower one fewer, so nobody idles at
-matchmaking; a peer alone, or before any pace is known, does exactly H steps.
+matchmaking; a peer alone, or before any pace is known, does exactly H steps. (With fragments, H/F steps in place
+of H: ``RunConfig.round_steps``.)
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ class RoundClock:
         self.began = self.clock.monotonic()
         self.planned.set()
         if target is None:
-            return self.run.inner_steps
-        return 10**9 if self.run.round_seconds else 2 * self.run.inner_steps
+            return self.run.round_steps
+        return 10**9 if self.run.round_seconds else 2 * self.run.round_steps
 
     def over(self, steps_done: int) -> bool:
         """Stop before a step that would end after the round's planned end: a peer reaches its group's matchmaking
@@ -121,13 +122,13 @@ class RoundClock:
         from ``anchor`` (overlap: the group's agreed end of the round that just ended) or else from now."""
         if steps:
             # an EMA weighted by the round's share of H, so that one short round does not skew the pace
-            seconds, weight = compute_seconds / steps, 0.5 * min(1.0, steps / self.run.inner_steps)
+            seconds, weight = compute_seconds / steps, 0.5 * min(1.0, steps / self.run.round_steps)
             self.step_seconds = seconds if self.step_seconds is None else \
                 (1 - weight) * self.step_seconds + weight * seconds
         self.agreed_end = (anchor or self.clock.dht_time()) + next_round_seconds if next_round_seconds else None
 
     def _own_plan(self, now: float) -> Optional[float]:
-        pace = self.run.round_seconds or (self.step_seconds * self.run.inner_steps if self.step_seconds else None)
+        pace = self.run.round_seconds or (self.step_seconds * self.run.round_steps if self.step_seconds else None)
         return now + pace if pace else None
 
     def _target_from_records(self, now: float) -> Optional[float]:

@@ -9,6 +9,8 @@ actions, each done here or in ``catchup.py``:
    then the exact all-reduce, weighted by tokens; a lost member fails the attempt, and it is retried with the
    survivors from G and theta, which the attempt never touched;
 4. apply: Nesterov on the averaged delta, identical on every member: e <- e+1, theta <- G.
+With ``--fragments F`` every step above concerns the fragment of the flat vector that round ``e`` averages
+(``peer/outer/fragments.py``): the delta sent and the outer step are that fragment's, the rest of theta trains on.
 If no group forms, a peer alone (quorum 1) applies its own delta: a lone peer never blocks. With a larger quorum
 it applies nothing, keeps training, and its delta keeps growing.
 """
@@ -27,6 +29,7 @@ from diloco_compression.feedback import ErrorFeedback
 from dht.errors import first_line
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import MATCHMAKING, Hooks
+from peer.outer.fragments import Fragments
 from peer.outer.lineage import Lineage
 from peer.outer.nesterov import nesterov_step
 from peer.outer.state import GlobalState, merge_contributors
@@ -105,6 +108,7 @@ class Synchronizer:
         # not stalled, and once counted as such it forked a majority still at work)
         self.stuck, self.stuck_epoch = 0, -1
         self.crossing = Crossing(transport, clock, announcer, deadlines, run, moved_on=self._moved_on)
+        self.fragments = Fragments(layout.numel, run.fragments)
 
     # ---- one round ----
     def sync(self, tokens: int, budget: float, missed_rounds: int = 0, step_seconds: Optional[float] = None,
@@ -221,7 +225,8 @@ class Synchronizer:
             attempt.recovered = self.lineage.take_recovered_tokens()
             attempt.tokens += attempt.recovered
         result.attempts += 1
-        attempt.align = self.has_moment and (self.state.epoch + 1) % self.run.align_every == 0
+        # every k-th outer step of the fragment this round averages (of the whole model without fragments)
+        attempt.align = self.has_moment and (self.state.epoch // self.fragments.count + 1) % self.run.align_every == 0
         finite = self._fill_buffers(attempt.align)
         if finite and action.refresh:  # a retry: who is alive now, not when this sync began
             self.catchup.refresh()
@@ -257,14 +262,20 @@ class Synchronizer:
                             groups=action.groups, client=self.announcer.identity.client_mode)
 
     # ---- buffers and the outer step ----
+    def part(self) -> slice:
+        """The fragment of the flat vector the round closing our epoch averages (all of it without fragments)."""
+        return self.fragments.of(self.state.epoch)
+
     def _fill_buffers(self, align: bool) -> bool:
+        part, whole = self.part(), self.fragments.whole()
         with self.transport.buffers() as tensors:
-            delta = tensors[0]
-            self.lineage.own_delta(self.state.params, self.local.gather(delta))
+            delta = tensors[0]  # one fragment long: the whole vector is written straight into it without fragments
+            own = self.lineage.own_delta(self.state.params, self.local.gather(delta if whole else self.layout.empty()))
             if align:
-                self.local.gather_moments(tensors[1])
-            if torch.isfinite(delta).all():
-                self.feedback.quantize(delta, out=delta)  # what we send: delta + residual, quantized
+                _fill(tensors[1], self.local.gather_moments(tensors[1] if whole else self.layout.empty())[part])
+            if torch.isfinite(own).all():
+                # what we send: delta + residual, quantized; a shorter last fragment pads with zeros
+                _fill(delta, own[part], lambda values, out: self.feedback.fragment(part).quantize(values, out=out))
                 self.hooks.outgoing(delta)
                 return True
         logger.error("the local model diverged (non-finite pseudo-gradient); resetting it to the global state")
@@ -278,39 +289,42 @@ class Synchronizer:
 
     def _apply(self, averaged: Averaged, result: SyncResult) -> None:
         """The outer step on the averaged pseudo-gradient, bit-identical on every member."""
-        gathered, peer_id = averaged.gathered, self.announcer.identity.peer_id
-        own_delta = self.lineage.own_delta(self.state.params, self.local.gather(self.layout.empty()))
-        self.feedback.commit(own_delta)  # own_delta becomes what we sent; the residual keeps the rest
+        gathered, peer_id, part = averaged.gathered, self.announcer.identity.peer_id, self.part()
+        sent = self.lineage.own_delta(self.state.params, self.local.gather(self.layout.empty()))[part]
+        self.feedback.fragment(part).commit(sent)  # sent becomes what we sent; the residual keeps the rest
         with self.lock, self.transport.buffers() as tensors:
-            if not torch.isfinite(tensors[0]).all():
+            average = tensors[0][: sent.numel()]
+            if not torch.isfinite(average).all():
                 result.outcome = Outcome.AVERAGE_NOT_FINITE
                 result.error = describe(result.outcome)
                 return
-            self.lineage.merged(self.state.epoch, own_delta, gathered[peer_id].tokens)
-            nesterov_step(self.state.params, self.state.momentum, tensors[0], self.outer_lr(), self.outer_momentum())
+            self.lineage.merged(self.state.epoch, sent, gathered[peer_id].tokens, offset=part.start or 0)
+            nesterov_step(self.state.params[part], self.state.momentum[part], average, self.outer_lr(),
+                          self.outer_momentum())
             if averaged.aligned:
-                self.local.load_first_moments([view for _, view in self.layout.slices(tensors[1])])
+                self.local.load_first_moments(tensors[1][: sent.numel()], part)
             self.state.merged = merge_contributors(self.state.merged, gathered, self.state.epoch)
             self.state.epoch += 1
             self.state.tokens_total += averaged.group_tokens()
-            self.local.set(self.state.params)  # theta <- G (with overlap: plus the steps taken since)
+            # theta <- G (with overlap: plus the steps taken since), in the fragment the step changed
+            self.local.set(self.state.params, part)
         result.applied, result.aligned, result.offences = True, averaged.aligned, dict(averaged.offences)
         result.reduced = averaged.reduced
         result.groups = averaged.groups
         result.outcome, result.error = Outcome.APPLIED, None
         result.group, result.group_tokens = tuple(sorted(gathered)), averaged.group_tokens()
-        result.next_round_seconds = next_round_seconds(gathered, self.run.round_seconds, self.run.inner_steps)
+        result.next_round_seconds = next_round_seconds(gathered, self.run.round_seconds, self.run.round_steps)
         result.round_end = round_end(gathered)
         self.announcer.republish()  # at once: a groupmate whose attempt failed late looks for this state (settle)
 
     # ---- for the node ----
     def outer_lr(self) -> float:
         """The outer lr of the step from our epoch to the next."""
-        return self.run.outer_lr_at(self.state.epoch * self.run.inner_steps)
+        return self.run.outer_lr_at(self.run.global_step(self.state.epoch))
 
     def outer_momentum(self) -> float:
         """The outer momentum of that step."""
-        return self.run.outer_momentum_at(self.state.epoch * self.run.inner_steps)
+        return self.run.outer_momentum_at(self.run.global_step(self.state.epoch))
 
     def producers(self) -> List[str]:
         """The peers whose deltas our state's last outer step merged."""
@@ -318,11 +332,13 @@ class Synchronizer:
 
     def eager_target(self) -> torch.Tensor:
         """With overlap, where the next round starts: the outer step we would take with our own pseudo-gradient
-        (from theta as frozen at the round's end) in place of the group's average (peer/train/local.py)."""
-        params, momentum = self.state.params.clone(), self.state.momentum.clone()
-        own_delta = torch.sub(params, self.local.gather(self.layout.empty()))
-        nesterov_step(params, momentum, own_delta, self.outer_lr(), self.outer_momentum())
-        return params
+        (from theta as frozen at the round's end) in place of the group's average (peer/train/local.py). With
+        fragments, only the fragment the round averages takes that step; the rest of theta trains on as it is."""
+        part, theta = self.part(), self.local.gather(self.layout.empty())
+        params, momentum = self.state.params[part].clone(), self.state.momentum[part].clone()
+        nesterov_step(params, momentum, torch.sub(params, theta[part]), self.outer_lr(), self.outer_momentum())
+        theta[part] = params
+        return theta
 
     def round_budget(self) -> float:
         """The longest this round's sync may block us, retries included, at the current deadlines."""
@@ -333,3 +349,9 @@ class Synchronizer:
         with self.lock:
             self.local.set(self.state.params)
             self.lineage.drop()
+
+
+def _fill(buffer: torch.Tensor, values: torch.Tensor, write=lambda values, out: out.copy_(values)) -> None:
+    """``buffer`` <- ``values`` (one fragment, maybe shorter than the buffer), zeros after them."""
+    write(values, buffer[: values.numel()])
+    buffer[values.numel():].zero_()

@@ -15,6 +15,9 @@ place of the group's average. When the real outer step lands, setting theta to t
 becomes ``live += G' - start``, a shift applied between two inner steps under the trainer's step lock
 (so does a rebase's shift): the work done since is kept, measured from G'. The pseudo-gradient of round
 e+1 is that work; the error of the proxy is corrected the moment the average arrives.
+
+With ``--fragments`` a round's outer step changes one fragment of G, so ``set`` and the eager start change that
+fragment of theta only: the rest of the model trains on through the round (``peer/outer/fragments.py``).
 """
 
 from __future__ import annotations
@@ -66,15 +69,25 @@ class LocalModel:
             return self.layout.gather(self.trainer.first_moments(), out)
         return out.copy_(self.frozen_moments)
 
-    def set(self, target: torch.Tensor) -> None:
-        """theta <- target; with overlap, live <- live + (target - base): the steps since are kept."""
+    def set(self, target: torch.Tensor, part: slice = slice(None)) -> None:
+        """theta <- target; with overlap, live <- live + (target - base): the steps since are kept. ``part``: only
+        that fragment of theta is set (a round of ``--fragments``); the rest keeps training untouched."""
+        whole = part == slice(None)
         if self.frozen is None:
+            if not whole:
+                theta = self.layout.gather(self.trainer.params, self.layout.empty())
+                theta[part] = target[part]
+                target = theta
             self.layout.scatter(target, self.trainer.params)
             self.trainer.touch()
             return
-        self._add_live(target - self.base)
-        self.frozen.copy_(target)
-        self.base.copy_(target)
+        shift = target - self.base
+        if not whole:
+            shift[: part.start].zero_()
+            shift[part.stop:].zero_()
+        self._add_live(shift)
+        self.frozen[part] = target[part]
+        self.base[part] = target[part]
 
     def shift(self, shift: torch.Tensor) -> None:
         """theta <- theta + shift (a rebase onto a new lineage), on theta_e and on the live parameters."""
@@ -89,7 +102,13 @@ class LocalModel:
             self.layout.add_into(shift, self.trainer.params)
             self.trainer.touch()
 
-    def load_first_moments(self, moments) -> None:
+    def load_first_moments(self, moments: torch.Tensor, part: slice = slice(None)) -> None:
+        """AdamW's first moment <- the flat ``moments``; ``part``: only that fragment (of length ``moments``), the
+        rest kept as it is now."""
         with self.trainer.step_lock:
-            self.trainer.load_first_moments(moments)
+            if part != slice(None):
+                live = self.layout.gather(self.trainer.first_moments(), self.layout.empty())
+                live[part] = moments
+                moments = live
+            self.trainer.load_first_moments([view for _, view in self.layout.slices(moments)])
             self.trainer.touch()

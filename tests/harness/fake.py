@@ -23,6 +23,7 @@ from dht.records import HEARTBEAT_SECONDS, PeerRecord
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import Hooks
 from peer.outer.contributions import Contributions
+from peer.outer.fragments import Fragments
 from peer.outer.lineage import Lineage
 from peer.outer.nesterov import nesterov_step
 from peer.outer.state import GlobalState, merge_contributors, state_hash
@@ -199,7 +200,8 @@ class FakePeer:
         self.trainer = SimpleNamespace(params=self.params, step_lock=threading.Lock(), touch=lambda: None)
         self.layout = FlatLayout(self.params)
         self.state = GlobalState(params=g.clone(), momentum=torch.zeros(numel), epoch=4, tokens_total=1000)
-        self.transport = FakeTransport(self.clock, numel, with_moment=bool(self.run.align_every), peer_id=peer_id)
+        self.transport = FakeTransport(self.clock, Fragments(numel, self.run.fragments).size,
+                                       with_moment=bool(self.run.align_every), peer_id=peer_id)
         self.cache, self.local = RecordCache(peer_id), LocalModel(self.trainer, self.layout)
         self.announcer = Announcer(self.transport, Identity(peer_id, MANIFEST, False), self.state)
         wire = get_codec(codec)
@@ -248,7 +250,7 @@ class FakePeer:
         """The state one outer step from ours (with ``delta`` as the averaged pseudo-gradient), merged from
         ``contributors``: its holders publish it and serve it. Returns its hash."""
         params, momentum = self.state.params.clone(), self.state.momentum.clone()
-        step = self.state.epoch * self.run.inner_steps
+        step = self.run.global_step(self.state.epoch)
         nesterov_step(params, momentum, delta, self.run.outer_lr_at(step), self.run.outer_momentum_at(step))
         epoch = self.state.epoch + 1
         merged = merge_contributors(self.state.merged, contributors, self.state.epoch)
