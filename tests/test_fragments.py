@@ -2,6 +2,7 @@
 changes that fragment of G alone, and the rest of the local model keeps its work (peer/outer/fragments.py)."""
 
 import dataclasses
+import statistics
 
 import pytest
 import torch
@@ -151,3 +152,30 @@ def test_with_overlap_a_fragment_step_keeps_the_steps_taken_since_everywhere():
     assert torch.equal(flat(params), torch.tensor([0.5, 1.5, 9.5, 9.5]))
     local.thaw()
     assert torch.equal(local.gather(torch.empty(4)), flat(params))
+
+
+@pytest.mark.slow
+def test_three_real_peers_with_fragments_agree_learn_and_send_one_fragment_a_round(tmp_path):
+    """Three ``python -m peer`` processes with --fragments 2 and --overlap: every group holds one state hash every
+    round, loss falls, and a round's all-reduce moves about one fragment: half the model, not all of it."""
+    from peer.train.model import build_model, count_parameters
+    from peer.train.tokenizer import load_tokenizer
+    from tests.harness.swarm import Swarm, assert_all_leave, assert_groups_agree, assert_loss_fell, wait_until
+
+    swarm = Swarm(tmp_path)
+    try:
+        peers = [swarm.peer(f"p{i}", "--fragments", "2", "--inner-steps", "10", "--overlap") for i in range(3)]
+        wait_until(lambda: all(p.reached(lambda m: sum(r["applied"] and r["group_size"] == 3 for r in m) >= 6)
+                               for p in peers), 300, "6 rounds of all three peers each")
+        assert_all_leave(peers, 60)
+    finally:
+        swarm.close()
+    assert assert_groups_agree(peers) >= 6 * 3
+    assert_loss_fell(peers)
+    # an exact all-reduce of n members sends 2 (n - 1) payloads in all, 2 (n - 1) / n a member on average (a
+    # payload smaller than one part has one reducer, which sends 2 of them here, the others 1): fp16, one fragment
+    params = count_parameters(build_model("micro", load_tokenizer("bytes").vocab_size, 64, 0))
+    fragment_bytes = 2 * -(-params // 2)
+    full = [r["bytes_sent"] for p in peers for r in p.metrics
+            if r["applied"] and r["group_size"] == 3 and not r["aligned"]]  # (an aligned round sends the moment too)
+    assert 0.9 < statistics.mean(full) / (2 * 2 / 3 * fragment_bytes) < 1.1, (statistics.mean(full), params)

@@ -62,8 +62,11 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
     def __init__(self, delta: torch.Tensor, moment: Optional[torch.Tensor], dht, *, prefix: str, codec: Codec,
                  state_provider: StateProvider, quorum: int, grace_seconds: float, request_timeout: float,
                  allreduce_timeout: float, part_timeout: float, client_mode: bool, hooks: Optional[Hooks] = None,
-                 part_size_bytes: int = 2**20, clip_factor: float = 0.0, ban_after: int = 0):
+                 part_size_bytes: int = 2**20, clip_factor: float = 0.0, ban_after: int = 0,
+                 state_size: Optional[int] = None):
         internals.check_version()
+        # values in G (and in m): the buffers hold one fragment of them with --fragments (peer/outer/fragments.py)
+        self.state_size = delta.numel() if state_size is None else state_size
         self.codec, self.hooks, self._state_provider = codec, hooks or Hooks(), state_provider
         # robust aggregation (peer/averaging/robust.py) and bans, kept in the averager process across rounds
         self.clip_factor, self.bans = clip_factor, Bans(ban_after)

@@ -41,6 +41,7 @@ class StateSharing:
     """Serves slices of our state (``rpc_download_slice``) and downloads a state from several donors."""
 
     _state_provider: StateProvider
+    state_size: int  # values in G, and in m
     _shared: Optional[Tuple[Dict[str, Any], List[torch.Tensor]]] = None  # the snapshot donors serve
     _shared_used = 0.0
 
@@ -128,7 +129,7 @@ class StateSharing:
             future.set_result(result)
 
     async def _download_striped(self, donors: List[str], state_hash: str, part_timeout: float, slice_size: int):
-        size = internals.averaged_tensors(self)[0].numel()  # G and m are each as large as the pseudo-gradient
+        size = self.state_size  # values in G, and in m
         total = 2 * size
         count = max(2 * len(donors), -(-total // slice_size))
         bounds = [total * i // count for i in range(count + 1)]

@@ -173,7 +173,7 @@ def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, reach: Reach,
         delta, moment, dht, prefix=f"{namespace}_{manifest.hash}", codec=codec, state_provider=share_state,
         quorum=run.quorum, grace_seconds=run.grace_seconds, request_timeout=sync.request_timeout,
         allreduce_timeout=sync.allreduce_timeout, part_timeout=sync.part_timeout, client_mode=net.client_mode,
-        hooks=hooks, clip_factor=run.clip_factor, ban_after=run.ban_after,
+        hooks=hooks, clip_factor=run.clip_factor, ban_after=run.ban_after, state_size=layout.numel,
     )
     averager.run_in_background(await_ready=True)
     closer.callback(_shut_down, averager)
