@@ -48,7 +48,7 @@ from peer.train.model import build_model, count_parameters
 
 MODEL = "micro"
 AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "outer-lr-decay", "averaging", "warm-start",
-        "outer-warmup")
+        "outer-warmup", "fragments")
 SLOWDOWN = 3.0  # the slow replica's seconds per inner step, relative to the others
 QUICK = dict(tokens=80_000, replicas=2, inner_steps=10, seeds=[0], axes=["codec", "alignment", "feedback"],
              codecs=["none"], eval_batches=4, evals=4, warmup_steps=20)
@@ -72,6 +72,7 @@ class Cell:
     outer_lr_decay: bool = False  # the outer lr follows the inner cosine
     warm: float = 0.0  # fraction of the tokens trained data-parallel before DiLoCo starts
     outer_warmup: int = 0  # outer steps blending from plain averaging to Nesterov (the product's default: 8)
+    fragments: int = 1  # streaming fragments: a round of H/F steps averages one of F fragments (equal bytes per H)
 
     @property
     def label(self) -> str:
@@ -83,7 +84,9 @@ class Cell:
                 "averaging": "plain averaging (outer lr 1, momentum 0)",
                 "warm-start": f"data-parallel for the first {self.warm:.0%} of the tokens",
                 "outer-warmup": f"outer warm-up over {self.outer_warmup} steps, from plain averaging to "
-                                f"Nesterov lr {self.outer_lr:g}"}[self.axis]
+                                f"Nesterov lr {self.outer_lr:g}",
+                "fragments": f"{self.fragments} fragments, one averaged every {self.inner_steps // self.fragments} "
+                             f"steps"}[self.axis]
 
     def paces(self) -> List[float]:
         return [1.0] * (self.replicas - 1) + [SLOWDOWN if self.slow else 1.0]
@@ -106,6 +109,7 @@ def cells(args) -> List[Cell]:
         "warm-start": [dataclasses.replace(centre, axis="warm-start", warm=warm) for warm in args.warm_starts],
         "outer-warmup": [dataclasses.replace(centre, axis="outer-warmup", outer_warmup=steps, outer_lr=lr)
                          for steps in args.outer_warmups for lr in args.warmed_outer_lrs],
+        "fragments": [dataclasses.replace(centre, axis="fragments", fragments=count) for count in args.fragment_counts],
     }
     same = dataclasses.replace(centre, axis="")
     return [centre] + [cell for axis in args.axes for cell in varied[axis]
@@ -126,17 +130,18 @@ def warm_steps(cell: Cell, args) -> int:
 
 def cell_rounds(cell: Cell, args) -> int:
     """Rounds that spend the token budget (a slow replica's rounds hold fewer tokens, so it gets more)."""
-    per_round = sum(round_steps(cell.inner_steps, cell.paces())) * args.batch_size * args.seq_len
+    per_round = sum(round_steps(cell.inner_steps // cell.fragments, cell.paces())) * args.batch_size * args.seq_len
     return max(1, round((1 - cell.warm) * args.tokens / per_round))
 
 
 def cell_run(cell: Cell, args) -> RunConfig:
-    steps = warm_steps(cell, args) + cell_rounds(cell, args) * cell.inner_steps  # the cosine spans the whole run
+    # the cosine spans the whole run
+    steps = warm_steps(cell, args) + cell_rounds(cell, args) * (cell.inner_steps // cell.fragments)
     return base_run(args, inner_steps=cell.inner_steps, lr_decay_steps=steps,
                     compression=cell.compression, error_feedback=cell.feedback,
                     align_every=args.align_every if cell.align else 0, outer_lr=cell.outer_lr,
                     outer_momentum=cell.outer_momentum, outer_lr_decay=cell.outer_lr_decay,
-                    outer_warmup=cell.outer_warmup)
+                    outer_warmup=cell.outer_warmup, fragments=cell.fragments)
 
 
 def dp_steps(replicas: int, args) -> int:
@@ -626,6 +631,8 @@ def parse_args(argv: Sequence[str]):
                         help="outer steps of the outer-warmup axis (plain averaging blended into Nesterov)")
     parser.add_argument("--warmed-outer-lrs", type=float, nargs="*", default=[0.7],
                         help="the Nesterov outer lrs the outer-warmup axis blends into")
+    parser.add_argument("--fragment-counts", type=int, nargs="*", default=[4],
+                        help="F of the fragments axis (streaming: one of F fragments averaged every H/F steps)")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=64)

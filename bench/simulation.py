@@ -6,6 +6,9 @@ step and the clamped momentum alignment. Only the transport is replaced: each re
 vector is combined here with ``peer.averaging.robust.robust_mean`` (what ExactAllReduceRunner's reducers run on
 their parts), followed by the codec round trip of its reply.
 
+With ``run.fragments`` F > 1, a round is H/F inner steps and averages one fragment of the vector
+(``peer/outer/fragments.py``), as the peers do.
+
 ``data_parallel`` is the baseline: synchronous data-parallel training, the replicas' gradients averaged
 every step, on the same data streams, with the same inner loop and schedule.
 """
@@ -23,6 +26,7 @@ from diloco_compression.feedback import CHUNK_VALUES, ErrorFeedback, roundtrip
 
 from peer.averaging.robust import robust_mean
 from peer.config import RunConfig
+from peer.outer.fragments import Fragments
 from peer.outer.nesterov import nesterov_step
 from peer.train.data import load_corpus
 from peer.train.flat import FlatLayout
@@ -115,8 +119,9 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
     base = build_model(run.model, ByteTokenizer.vocab_size, run.seq_len, seed)
     trainers = [InnerTrainer(copy.deepcopy(base), run, torch.device("cpu")) for _ in range(replicas)]
     streams = [corpus.stream(seed, f"replica-{i}", 0) for i in range(replicas)]
-    schedule = schedule or [round_steps(run.inner_steps, paces or [1.0] * replicas)] * rounds
+    schedule = schedule or [round_steps(run.round_steps, paces or [1.0] * replicas)] * rounds
     layout = FlatLayout(trainers[0].params)
+    fragments = Fragments(layout.numel, run.fragments)  # a round averages one of them (all of it without fragments)
     params, momentum = layout.gather(trainers[0].params, layout.empty()), layout.empty()
     feedbacks = [ErrorFeedback(codec, layout.numel, enabled=run.error_feedback) for _ in range(replicas)]
     result = SimulationResult(initial_loss=trainers[0].evaluate(eval_batches))
@@ -128,12 +133,14 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
         result.record(trainers[0].evaluate(eval_batches), 0, tokens, sent / replicas)
     for round_index in range(rounds):
         contributions, weights = [], []
-        global_step = warm_steps + round_index * run.inner_steps
+        global_step = warm_steps + run.global_step(round_index)
+        part = fragments.of(round_index)
         for trainer, stream, feedback, count in zip(trainers, streams, feedbacks, schedule[round_index]):
             stats = trainer.train(batches(stream, run.batch_size), count, global_step=global_step)
             delta = layout.gather(trainer.params, layout.empty())
             torch.sub(params, delta, out=delta)
-            feedback.commit(delta)  # delta becomes what this replica sends
+            delta = delta[part]
+            feedback.fragment(part).commit(delta)  # delta becomes what this replica sends
             sent += encoded_bytes(codec, delta)
             if observe:
                 observe("delta", delta)
@@ -142,18 +149,23 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
             tokens += stats.tokens
             train_losses.append(stats.loss)
         averaged = roundtrip(codec, reduce(contributions, weights, run.clip_factor))  # the reducers' encoded reply
-        nesterov_step(params, momentum, averaged, run.outer_lr_at(global_step), run.outer_momentum_at(global_step))
-        if run.align_every and (round_index + 1) % run.align_every == 0:
-            moments = [layout.gather(t.first_moments(), layout.empty()) for t in trainers]
+        nesterov_step(params[part], momentum[part], averaged, run.outer_lr_at(global_step),
+                      run.outer_momentum_at(global_step))
+        if run.align_every and (round_index // fragments.count + 1) % run.align_every == 0:
+            moments = [layout.gather(t.first_moments(), layout.empty())[part] for t in trainers]
             sent += sum(encoded_bytes(codec, moment) for moment in moments)
             for moment in moments if observe else ():
                 observe("moment", moment)
             moments = [roundtrip(codec, moment) for moment in moments]
             aligned = roundtrip(codec, reduce(moments, weights, run.clip_factor))
             for trainer in trainers:
-                trainer.load_first_moments([view for _, view in layout.slices(aligned)])
-        for trainer in trainers:
-            layout.scatter(params, trainer.params)
+                whole = layout.gather(trainer.first_moments(), layout.empty())
+                whole[part] = aligned
+                trainer.load_first_moments([view for _, view in layout.slices(whole)])
+        for trainer in trainers:  # theta <- G in the fragment averaged; the rest keeps its local work
+            theta = layout.gather(trainer.params, layout.empty())
+            theta[part] = params[part]
+            layout.scatter(theta, trainer.params)
         if (round_index + 1) % eval_every == 0 or round_index + 1 == rounds:
             result.record(trainers[0].evaluate(eval_batches), round_index + 1, tokens, sent / replicas)
     result.train_loss = sum(train_losses[-replicas:]) / replicas
