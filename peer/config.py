@@ -39,7 +39,8 @@ class RunConfig:
                                            "preset's")
     fragments: int = opt(1, "F: cut the model into F fragments averaged on staggered schedules: a round is H/F inner "
                             "steps and averages one fragment, so each round sends 1/F of the model (Streaming DiLoCo)")
-    round_seconds: float = opt(0.0, "if > 0, a round is this many seconds of compute instead of H steps")
+    round_seconds: float = opt(0.0, "if > 0, H is this many seconds of compute instead of a number of steps (a round "
+                                    "is this / F with fragments)")
     lr: Optional[float] = opt(None, "peak inner AdamW learning rate; default: the preset's")
     warmup_steps: Optional[int] = opt(None, "inner steps of linear warmup on a fresh optimizer")
     lr_decay_steps: int = opt(20000, "global inner steps (epoch x H) of cosine decay to --min-lr-ratio")
@@ -105,6 +106,11 @@ class RunConfig:
     def round_steps(self) -> int:
         """Inner steps per round: H, or H / F with fragments (each fragment is still averaged every H steps)."""
         return (self.inner_steps or run_defaults(self.model).inner_steps) // self.fragments
+
+    @property
+    def seconds_per_round(self) -> float:
+        """With --round-seconds, a round's seconds of compute: each fragment is averaged every --round-seconds."""
+        return self.round_seconds / self.fragments
 
     def global_step(self, epoch: int) -> int:
         """The swarm's global inner step at the start of the round that closes ``epoch``: what the schedules follow.

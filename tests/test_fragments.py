@@ -179,3 +179,8 @@ def test_three_real_peers_with_fragments_agree_learn_and_send_one_fragment_a_rou
     full = [r["bytes_sent"] for p in peers for r in p.metrics
             if r["applied"] and r["group_size"] == 3 and not r["aligned"]]  # (an aligned round sends the moment too)
     assert 0.9 < statistics.mean(full) / (2 * 2 / 3 * fragment_bytes) < 1.1, (statistics.mean(full), params)
+
+
+def test_with_round_seconds_each_fragment_is_averaged_every_round_seconds():
+    run = RunConfig(round_seconds=40.0, fragments=4, inner_steps=8)
+    assert run.seconds_per_round == 10.0 and RunConfig(round_seconds=40.0).seconds_per_round == 40.0

@@ -128,7 +128,7 @@ class RoundClock:
         self.agreed_end = (anchor or self.clock.dht_time()) + next_round_seconds if next_round_seconds else None
 
     def _own_plan(self, now: float) -> Optional[float]:
-        pace = self.run.round_seconds or (self.step_seconds * self.run.round_steps if self.step_seconds else None)
+        pace = self.run.seconds_per_round or (self.step_seconds * self.run.round_steps if self.step_seconds else None)
         return now + pace if pace else None
 
     def _target_from_records(self, now: float) -> Optional[float]:

@@ -313,7 +313,7 @@ class Synchronizer:
         result.groups = averaged.groups
         result.outcome, result.error = Outcome.APPLIED, None
         result.group, result.group_tokens = tuple(sorted(gathered)), averaged.group_tokens()
-        result.next_round_seconds = next_round_seconds(gathered, self.run.round_seconds, self.run.round_steps)
+        result.next_round_seconds = next_round_seconds(gathered, self.run.seconds_per_round, self.run.round_steps)
         result.round_end = round_end(gathered)
         self.announcer.republish()  # at once: a groupmate whose attempt failed late looks for this state (settle)
 
