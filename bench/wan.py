@@ -16,7 +16,11 @@ turn, each with a fresh bootstrap node (``tests.harness.swarm.Swarm``) and 4 fre
 - ``overlap``: the same with ``--overlap``: the sync runs while the next round trains (docs/design.md, step 8);
 - ``hivemind``: ``bench.hivemind_worker``, hivemind.Optimizer with ``use_local_updates=True`` on the same
   model, data, batch and pacing; an epoch (one parameter averaging) is the same samples as a round;
-- ``hivemind-blocking`` (on request): the same with ``delay_state_averaging=False``.
+- ``hivemind-blocking`` (on request): the same with ``delay_state_averaging=False``;
+- any ``--variant NAME='FLAGS'``: ``python -m peer`` with those flags on top of the others (``--fragments 4
+  --overlap``, say); a variant whose flags hold ``--overlap`` is measured as overlapped.
+
+Links are the named ones in ``LINKS``, or any ``RATEmbit-RTTms`` (``20mbit-100ms``: 20 Mbit/s each way, 50 ms one way).
 
 Rounds are ``--round-seconds`` of compute (``--round-seconds`` for the peers; for hivemind, a target batch of
 that many paced steps on every worker). Every worker pads its steps to ``--min-step-seconds`` (a slower
@@ -40,6 +44,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -53,6 +58,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from docker.netns import TestNetwork, available
+from peer.config import NodeConfig
 from tests.harness.swarm import ROOT, PeerProc, Proc, Swarm, read_metrics
 
 SYSTEMS = ("diloco", "overlap", "hivemind", "hivemind-blocking")
@@ -77,18 +83,43 @@ class Link:
 
 LINKS = {link.name: link for link in (Link("unlimited", None, 0.0), Link("1gbit-100ms", 1000.0, 50.0),
                                       Link("100mbit-100ms", 100.0, 50.0))}
+LINK_NAME = re.compile(r"^(\d+(?:\.\d+)?)mbit-(\d+(?:\.\d+)?)ms$")
+
+
+def link_named(name: str) -> Optional[Link]:
+    """A named link, or ``RATEmbit-RTTms``; None for anything else."""
+    if name in LINKS:
+        return LINKS[name]
+    match = LINK_NAME.match(name)
+    return Link(name, float(match.group(1)), float(match.group(2)) / 2) if match else None
 
 
 # ---------------------------------------------------------------- workers
 def peer_flags(args, preset: str, system: str) -> List[str]:
-    """One peer's flags: the run (same for all 4) and this node's pace; defaults where a real run keeps them."""
-    pace = pace_of(args, preset)
-    steps = max(1, round(args.round_seconds / pace))
+    """One peer's flags: the run (same for all 4) and this node's pace; defaults where a real run keeps them. With
+    ``--round-seconds``, H is that much compute (``--fragments F``: a round is 1/F of it), and ``--inner-steps`` only
+    counts the schedules' steps: it is rounded up to a multiple of F."""
+    pace, extra = pace_of(args, preset), system_flags(args, system)
+    fragments = int(extra[extra.index("--fragments") + 1]) if "--fragments" in extra else 1
+    steps = -(-max(1, round(args.round_seconds / pace)) // fragments) * fragments
     return ["--model", preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--inner-steps", str(steps), "--warmup-steps", str(steps), "--round-seconds", str(args.round_seconds),
             "--grace-seconds", str(args.grace_seconds), "--eval-every", str(args.eval_every),
             "--run-id", f"wan-{preset}", "--threads", "1", "--min-step-seconds", str(pace), "--quiet",
-            *(["--overlap"] if system == "overlap" else []), *args.peer_args]
+            *args.peer_args, *extra]
+
+
+def system_flags(args, system: str) -> List[str]:
+    """The flags that make a system of the peers what it is."""
+    return ["--overlap"] if system == "overlap" else shlex.split(args.variants.get(system, ""))
+
+
+def overlapped(args, system: str) -> bool:
+    """Does this system's peer sync in the background (the last of --overlap / --no-overlap, else the default)?"""
+    if system.startswith("hivemind"):
+        return False
+    said = [flag for flag in (*args.peer_args, *system_flags(args, system)) if flag in ("--overlap", "--no-overlap")]
+    return said[-1] == "--overlap" if said else NodeConfig().overlap
 
 
 def pace_of(args, preset: str) -> float:
@@ -165,7 +196,8 @@ class LinkMeter:
 def run_system(system: str, preset: str, link: Link, net: TestNetwork, args, log_dir: Path) -> dict:
     """Start 4 workers, wait until each has the records its window needs (or the time is up), stop them."""
     log_dir.mkdir(parents=True)
-    need = args.rounds + 1 + (system == "overlap")  # records: the first, the window's, and overlap's one more
+    shift = overlapped(args, system)
+    need = args.rounds + 1 + shift  # records: the first, the window's, and overlap's one more
     swarm = Swarm(log_dir, net)
     meter = LinkMeter(net)
     problems: List[str] = []
@@ -190,7 +222,7 @@ def run_system(system: str, preset: str, link: Link, net: TestNetwork, args, log
                 break
     finally:
         swarm.close()
-    result = summarize(system, [read_metrics(w.metrics_path) for w in workers], meter, args.rounds)
+    result = summarize(system, [read_metrics(w.metrics_path) for w in workers], meter, args.rounds, shift)
     result.update(system=system, preset=preset, link=link.name, log_dir=log_dir, problems=problems,
                   seconds=time.monotonic() - started)
     return result
@@ -201,9 +233,9 @@ def tail(text: str, lines: int = 3) -> str:
 
 
 # ---------------------------------------------------------------- figures
-def window(system: str, rows: List[dict], rounds: int) -> Optional[dict]:
-    """One worker's figures over its window (see the module docstring); None if it has too few records."""
-    shift = 1 if system == "overlap" else 0
+def window(system: str, rows: List[dict], rounds: int, shift: int) -> Optional[dict]:
+    """One worker's figures over its window (see the module docstring); None if it has too few records. ``shift``:
+    1 for an overlapped peer, whose record of round k comes at the end of round k+1's inner phase."""
     if len(rows) < rounds + 1 + shift:
         return None
     wall = rows[rounds]["time"] - rows[0]["time"]
@@ -220,8 +252,8 @@ def window(system: str, rows: List[dict], rounds: int) -> Optional[dict]:
     return figures
 
 
-def summarize(system: str, records: List[List[dict]], meter: LinkMeter, rounds: int) -> dict:
-    per_worker = [window(system, rows, rounds) for rows in records]
+def summarize(system: str, records: List[List[dict]], meter: LinkMeter, rounds: int, shift: int = 0) -> dict:
+    per_worker = [window(system, rows, rounds, shift) for rows in records]
     done = [(i, w) for i, w in enumerate(per_worker) if w is not None]
     result = dict(workers=len(records), measured=len(done), rounds=rounds)
     if not done:
@@ -293,7 +325,7 @@ def table(results: List[dict]) -> str:
              "| state hashes | loss (last) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        head = f"| {r['preset']} | {LINKS[r['link']].describe()} | {r['system']} "
+        head = f"| {r['preset']} | {link_named(r['link']).describe()} | {r['system']} "
         if not r.get("measured"):
             lines.append(head + "| not measured: " + "; ".join(r["problems"]) + " |" + " |" * 11)
             continue
@@ -350,7 +382,8 @@ def header(argv: List[str], args) -> str:
             f"Measured {datetime.date.today().isoformat()} at commit {commit}, "
             f"torch {version('torch').split('+')[0]} CPU, hivemind "
             f"{version('hivemind')}; rounds of {args.round_seconds:g} s of compute, {args.rounds} rounds measured per "
-            f"worker after the first; batch {args.batch_size} x {args.seq_len} tokens, steps paced to {paces}:\n\n")
+            f"worker after the first; batch {args.batch_size} x {args.seq_len} tokens, steps paced to {paces}"
+            + "".join(f"; {name} = `{flags}`" for name, flags in args.variants.items()) + ":\n\n")
 
 
 def start_driver(prefix: str) -> Optional[Path]:
@@ -373,8 +406,12 @@ def main(argv=None) -> int:
                         help="smoke run: tiny, the 1 Gbit/s + 100 ms link, 10-s rounds, 2 measured rounds")
     parser.add_argument("--peers", type=int, default=4)
     parser.add_argument("--presets", default="tiny,small", help="comma-separated model presets")
-    parser.add_argument("--links", default=",".join(LINKS), help=f"comma-separated, of {tuple(LINKS)}")
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of {SYSTEMS}")
+    parser.add_argument("--links", default=",".join(LINKS),
+                        help=f"comma-separated, of {tuple(LINKS)} or RATEmbit-RTTms")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma-separated, of {SYSTEMS} and the --variant names")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS",
+                        help="a system of peers run with these extra flags, e.g. f4='--fragments 4 --overlap'")
     parser.add_argument("--round-seconds", type=float, default=30.0, help="compute per round (an epoch for hivemind)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds measured per worker, after the first")
     parser.add_argument("--min-step-seconds", type=float, default=0.0,
@@ -392,16 +429,18 @@ def main(argv=None) -> int:
     args.commit = head_commit()  # the peers run the working tree: note when it moves during the run
     if args.quick:
         args.presets, args.links, args.round_seconds, args.rounds = "tiny", "1gbit-100ms", 10.0, 2
+    args.variants = dict(v.split("=", 1) for v in args.variant if "=" in v)
     args.presets, links, systems = args.presets.split(","), args.links.split(","), args.systems.split(",")
-    if set(links) - set(LINKS) or set(systems) - set(SYSTEMS):
-        parser.error(f"--links takes some of {tuple(LINKS)}, --systems some of {SYSTEMS}")
+    if any(link_named(name) is None for name in links) or set(systems) - set(SYSTEMS) - set(args.variants):
+        parser.error(f"--links takes some of {tuple(LINKS)} or RATEmbit-RTTms, --systems some of {SYSTEMS} and "
+                     f"the --variant names")
     root = start_driver("wan_")
     if root is None:
         return 1
     results, began = [], time.monotonic()
     for preset in args.presets:
         for name in links:
-            link = LINKS[name]
+            link = link_named(name)
             with TestNetwork(args.peers, rate_mbit=link.rate_mbit, delay_ms=link.delay_ms) as net:
                 for system in systems:
                     result = run_system(system, preset, link, net, args, root / preset / name / system)
