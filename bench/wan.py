@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from docker.netns import TestNetwork, available
-from peer.config import NodeConfig
+from peer.config import NodeConfig, RunConfig
 from tests.harness.swarm import ROOT, PeerProc, Proc, Swarm, read_metrics
 
 SYSTEMS = ("diloco", "overlap", "hivemind", "hivemind-blocking")
@@ -99,19 +99,25 @@ def peer_flags(args, preset: str, system: str) -> List[str]:
     """One peer's flags: the run (same for all 4) and this node's pace; defaults where a real run keeps them. With
     ``--round-seconds``, H is that much compute (``--fragments F``: a round is 1/F of it), and ``--inner-steps`` only
     counts the schedules' steps: it is rounded up to a multiple of F."""
-    pace, extra = pace_of(args, preset), system_flags(args, system)
-    fragments = int(extra[extra.index("--fragments") + 1]) if "--fragments" in extra else 1
+    pace, fragments = pace_of(args, preset), fragments_of(args, system)
     steps = -(-max(1, round(args.round_seconds / pace)) // fragments) * fragments
     return ["--model", preset, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
             "--inner-steps", str(steps), "--warmup-steps", str(steps), "--round-seconds", str(args.round_seconds),
             "--grace-seconds", str(args.grace_seconds), "--eval-every", str(args.eval_every),
             "--run-id", f"wan-{preset}", "--threads", "1", "--min-step-seconds", str(pace), "--quiet",
-            *args.peer_args, *extra]
+            *args.peer_args, *system_flags(args, system)]
 
 
 def system_flags(args, system: str) -> List[str]:
     """The flags that make a system of the peers what it is."""
     return ["--overlap"] if system == "overlap" else shlex.split(args.variants.get(system, ""))
+
+
+def fragments_of(args, system: str) -> int:
+    """F of this system's peers (the last --fragments given, else the default)."""
+    flags = [*args.peer_args, *system_flags(args, system)] if not system.startswith("hivemind") else []
+    given = [int(flags[i + 1]) for i, flag in enumerate(flags[:-1]) if flag == "--fragments"]
+    return given[-1] if given else RunConfig().fragments
 
 
 def overlapped(args, system: str) -> bool:
@@ -197,12 +203,13 @@ def run_system(system: str, preset: str, link: Link, net: TestNetwork, args, log
     """Start 4 workers, wait until each has the records its window needs (or the time is up), stop them."""
     log_dir.mkdir(parents=True)
     shift = overlapped(args, system)
-    need = args.rounds + 1 + shift  # records: the first, the window's, and overlap's one more
+    rounds = args.rounds * fragments_of(args, system)  # the same compute for every system: F rounds make one H
+    need = rounds + 1 + shift  # records: the first, the window's, and overlap's one more
     swarm = Swarm(log_dir, net)
     meter = LinkMeter(net)
     problems: List[str] = []
     started = time.monotonic()
-    deadline = started + STARTUP_SECONDS + need * (args.round_seconds + 90)
+    deadline = started + STARTUP_SECONDS + (args.rounds + 2) * (args.round_seconds + 90)
     try:
         workers = start_workers(swarm, net, system, preset, args, log_dir)
         records, looked = [], 0.0
@@ -222,9 +229,9 @@ def run_system(system: str, preset: str, link: Link, net: TestNetwork, args, log
                 break
     finally:
         swarm.close()
-    result = summarize(system, [read_metrics(w.metrics_path) for w in workers], meter, args.rounds, shift)
+    result = summarize(system, [read_metrics(w.metrics_path) for w in workers], meter, rounds, shift)
     result.update(system=system, preset=preset, link=link.name, log_dir=log_dir, problems=problems,
-                  seconds=time.monotonic() - started)
+                  seconds=time.monotonic() - started, fragments=fragments_of(args, system))
     return result
 
 
@@ -322,12 +329,12 @@ def megabytes(count: float) -> str:
 def table(results: List[dict]) -> str:
     lines = ["| preset | link | system | utilization mean | min | round wall s | compute s/round | sync wall s "
              "(median) | waited s/round | other s/round | link busy s/round | MB sent/round | MB recv/round "
-             "| state hashes | loss (last) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| F | MB sent/H | state hashes | loss (last) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         head = f"| {r['preset']} | {link_named(r['link']).describe()} | {r['system']} "
         if not r.get("measured"):
-            lines.append(head + "| not measured: " + "; ".join(r["problems"]) + " |" + " |" * 11)
+            lines.append(head + "| not measured: " + "; ".join(r["problems"]) + " |" + " |" * 13)
             continue
         partial = f" ({r['measured']}/{r['workers']} workers)" if r["measured"] < r["workers"] else ""
         if r["system"].startswith("hivemind"):
@@ -340,7 +347,8 @@ def table(results: List[dict]) -> str:
             hashes += f"; {len(r['unapplied'])} rounds not applied" if r["unapplied"] else ""
         lines.append(head + f"| {r['utilization']:.3f}{partial} | {r['utilization_min']:.3f} | {r['round_wall']:.1f} | "
                      f"{r['compute']:.1f} " + sync + f"| {r['busy']:.2f} | {megabytes(r['sent'])} | "
-                     f"{megabytes(r['received'])} | {hashes} | {r['loss']:.3f} |")
+                     f"{megabytes(r['received'])} | {r.get('fragments', 1)} | "
+                     f"{megabytes(r['sent'] * r.get('fragments', 1))} | {hashes} | {r['loss']:.3f} |")
     return "\n".join(lines)
 
 
@@ -381,8 +389,9 @@ def header(argv: List[str], args) -> str:
             f"    {command}\n\n"
             f"Measured {datetime.date.today().isoformat()} at commit {commit}, "
             f"torch {version('torch').split('+')[0]} CPU, hivemind "
-            f"{version('hivemind')}; rounds of {args.round_seconds:g} s of compute, {args.rounds} rounds measured per "
-            f"worker after the first; batch {args.batch_size} x {args.seq_len} tokens, steps paced to {paces}"
+            f"{version('hivemind')}; H of {args.round_seconds:g} s of compute (a round, or F rounds with fragments), "
+            f"{args.rounds} of them measured per worker after the first round; batch {args.batch_size} x "
+            f"{args.seq_len} tokens, steps paced to {paces}"
             + "".join(f"; {name} = `{flags}`" for name, flags in args.variants.items()) + ":\n\n")
 
 
