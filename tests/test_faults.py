@@ -308,3 +308,24 @@ def test_a_peer_killed_as_its_sync_begins_is_not_waited_for(swarm):
     assert all(r["sync_wall_seconds"] < grace / 2 for r in rounds), \
         [(r["epoch"], r["sync_wall_seconds"]) for r in rounds]
     assert any("that cannot be reached" in p.stderr for p in survivors), survivors[0].stderr[-3000:]
+
+
+def test_fragments_keep_the_invariants_when_a_member_dies_mid_allreduce_and_returns(swarm, tmp_path):
+    """With --fragments 2, a member SIGKILLed while reducing a fragment: the survivors detect the lost member and
+    retry without it (never a partly averaged fragment), every epoch holds one state, and the victim restarts from
+    its checkpoint, downloads the whole state and rejoins the groups."""
+    flags = ("--fragments", "2", "--inner-steps", "10")
+    survivors = [swarm.peer(f"p{i}", *flags) for i in range(2)]
+    checkpoint = tmp_path / "victim"
+    victim = swarm.peer("victim", *flags, "--checkpoint-dir", str(checkpoint), faults="kill@reduce:3")
+    wait_until(lambda: not victim.alive(), 180, "the kill of the victim mid all-reduce")
+    assert victim.popen.returncode == -signal.SIGKILL and struck(victim, "kill", "reduce"), victim.stderr[-3000:]
+    before = len(victim.metrics)
+    back = swarm.peer("victim.back", *flags, "--checkpoint-dir", str(checkpoint), metrics_path=victim.metrics_path)
+    wait_until(lambda: back.reached(lambda m: sum(r["applied"] and r["group_size"] == 3 for r in m[before:]) >= 2),
+               180, "the restarted victim to rejoin two groups of three")
+    everyone = survivors + [victim, back]
+    stop_after(survivors, everyone, min_rounds=8)
+    for peer in survivors + [back]:
+        assert peer.wait(60) == 0, peer.stderr[-3000:]
+    assert_invariants(survivors, everyone, min_rounds=8)
