@@ -69,7 +69,8 @@ class RunConfig:
                                     "late peers")
     eval_fraction: float = opt(0.02, "tail of every text file held out for eval_loss (local datasets)")
     eval_batches: int = opt(8, "held-out batches per evaluation")
-    eval_every: int = opt(5, "evaluate the global parameters every this many rounds")
+    eval_every: int = opt(5, "evaluate the global parameters every this many rounds (of H steps: F rounds each with "
+                             "fragments)")
     seed: int = opt(0, "seed of the initial weights (and of each peer's data order)")
     # pins of a Hugging Face model and tokenizer, filled by the creator (``peer/train/source.py``)
     model_config: Optional[Dict[str, Any]] = opt(None, "the model's config.json, less volatile keys", cli=False)
@@ -111,6 +112,11 @@ class RunConfig:
     def seconds_per_round(self) -> float:
         """With --round-seconds, a round's seconds of compute: each fragment is averaged every --round-seconds."""
         return self.round_seconds / self.fragments
+
+    @property
+    def eval_period(self) -> int:
+        """Rounds between two held-out evaluations: --eval-every periods of H steps."""
+        return self.eval_every * self.fragments
 
     def global_step(self, epoch: int) -> int:
         """The swarm's global inner step at the start of the round that closes ``epoch``: what the schedules follow.

@@ -181,7 +181,7 @@ class Peer:
         progress.rounds += 1
         progress.last_loss = job.stats.loss
         self.last_round_seconds = job.stats.compute_seconds + sync_seconds
-        eval_loss = self._evaluate_global() if result.applied and self.state.epoch % run.eval_every == 0 else None
+        eval_loss = self._evaluate_global() if result.applied and self.state.epoch % run.eval_period == 0 else None
         if eval_loss is not None:
             self.last_eval = (self.state.epoch, eval_loss)
         if result.applied:
