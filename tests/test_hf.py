@@ -199,6 +199,22 @@ def test_two_peers_train_a_hugging_face_model_bit_identically_then_export_and_sa
 
 
 @pytest.mark.slow
+def test_an_exported_preset_checkpoint_evaluates_in_transformers_to_the_peers_eval_loss(swarm, tmp_path):
+    """The presets train on peer/train/llama.py, not transformers; export writes transformers' LlamaForCausalLM, which
+    must hold the same model: its held-out loss is the peer's eval_loss at the checkpoint's epoch."""
+    from peer.use import export
+
+    checkpoint = tmp_path / "ckpt"
+    lone = swarm.peer("lone", "--checkpoint-dir", str(checkpoint), "--max-rounds", "2", "--eval-every", "1", join=False)
+    assert lone.wait(120) == 0, lone.stderr[-3000:]
+    assert export.main(["--checkpoint-dir", str(checkpoint), "--out", str(tmp_path / "out")]) == 0
+    last = lone.metrics[-1]
+    assert last["epoch"] == 2 and (tmp_path / "out" / "README.md").read_text().count(last["state_hash"]) == 1
+    run_args = dict(seq_len=64, batch_size=4, eval_batches=2)  # the harness's FAST_RUN
+    assert held_out_loss(tmp_path / "out", run_args) == pytest.approx(last["eval_loss"], abs=1e-5)
+
+
+@pytest.mark.slow
 def test_a_peer_starting_from_pretrained_weights_first_evaluates_them_as_transformers_does(swarm, tmp_path):
     import re
 

@@ -3,6 +3,7 @@ network (``source.py`` may fetch a model from the Hugging Face hub).
 
 - ``source.py``     where the model and tokenizer come from (a preset, a Hugging Face directory or hub name), pinned
 - ``model.py``      the model from a preset's or a Hugging Face config, fresh or from its weights
+- ``llama.py``      the presets' Llama in plain torch: transformers' LlamaForCausalLM without its 3-s import
 - ``tokenizer.py``  bytes, GPT-2's BPE, or a Hugging Face tokenizer; each as transformers saves it
 - ``data.py``       bundled/local/streamed text, held-out split, per-peer order
 - ``inner.py``      the inner AdamW loop (warmup + cosine, clipping, accumulation, bf16 on GPU)

@@ -100,12 +100,12 @@ def download(parts, run_id: str, timeout: float) -> None:
 def write(snapshot: Snapshot, out: str, evaluate: bool = True) -> Optional[float]:
     """The snapshot as a Hugging Face model directory in ``out``; returns the held-out loss the card states."""
     from peer.train.flat import FlatLayout
-    from peer.train.model import build_run_model
+    from peer.train.model import transformers_model
     from peer.train.tokenizer import load_tokenizer
 
     run = snapshot.run
     tokenizer = load_tokenizer(run.tokenizer)
-    model = build_run_model(dataclasses.replace(run, init_from_pretrained=False), tokenizer.vocab_size)
+    model = transformers_model(run, tokenizer.vocab_size)  # a preset too: its peers' Llama has the same layout
     params = list(model.parameters())
     layout = FlatLayout(params)
     if layout.numel != snapshot.params.numel():
