@@ -346,10 +346,11 @@ class Network:
             member.peer.streams += len(members) - 1  # a stream to and from every other member
             self._finish(member, Averaged(gathered=dict(gathered), aligned=count == 2, seconds=seconds,
                                           groups=len(members) if cross else 1))
-        if cross:
+        if cross or forming.key.endswith(":"):  # a round's result (not a group's in a round of many), served
             for member in members:
                 self.conclude(member.peer.result_key, READY, average=[a.clone() for a in averages],
-                              info=dict(gathered=dict(gathered), aligned=count == 2, groups=len(members)),
+                              info=dict(gathered=dict(gathered), aligned=count == 2,
+                                        groups=len(members) if cross else 1),
                               delegates=[m.peer.peer_id for m in members])
 
     def _finish(self, member: Member, outcome) -> None:
@@ -469,11 +470,30 @@ class SimTransport:
                 tensor.copy_(average)
             self.peer.traffic[1] += self.network.config.wire_bytes
             self.peer.streams += len(delegates)
+            self.network.conclude(f"{self.peer.peer_id}/{epoch}:{state_hash}", READY, average=result.average,
+                                  info=result.info, delegates=result.delegates)  # served on, as the product does
         if result.status in (READY, GROUP_ONLY):
             return Averaged(gathered=dict(result.info["gathered"]), aligned=bool(result.info.get("aligned")),
                             seconds=0.0, groups=int(result.info.get("groups", 1)))
         error = str(result.info.get("error") or result.status)
         raise {MINORITY: MinorityGroup, NO_MAJORITY: NoMajority}.get(result.status, DelegateLost)(error)
+
+    def replay(self, donors, epoch: int, state_hash: str, timeout: float, part_timeout: float) -> Optional[Averaged]:
+        """A missed round's result from the first donor that holds it, at the donor's uplink."""
+        for donor in donors:
+            self._round_trips(1)
+            peer = self.network.peers.get(donor)
+            result = self.network.results.get(f"{donor}/{epoch}:{state_hash}")
+            if peer is None or not peer.alive or result is None or result.status != READY:
+                continue
+            self.scheduler.sleep(self.network.config.wire_bytes / min(self.peer.link.down, peer.link.up))
+            for tensor, average in zip(self.peer.tensors, result.average):
+                tensor.copy_(average)
+            self.peer.traffic[1] += self.network.config.wire_bytes
+            self.peer.streams += 1
+            return Averaged(gathered=dict(result.info["gathered"]), aligned=bool(result.info.get("aligned")),
+                            seconds=0.0, groups=int(result.info.get("groups", 1)))
+        return None
 
     def give_up_result(self, epoch: int, state_hash: str) -> None:
         self.network.conclude(f"{self.peer.peer_id}/{epoch}:{state_hash}", FAILED)

@@ -184,3 +184,30 @@ def test_three_real_peers_with_fragments_agree_learn_and_send_one_fragment_a_rou
 def test_with_round_seconds_each_fragment_is_averaged_every_round_seconds():
     run = RunConfig(round_seconds=40.0, fragments=4, inner_steps=8)
     assert run.seconds_per_round == 10.0 and RunConfig(round_seconds=40.0).seconds_per_round == 40.0
+
+
+@pytest.mark.slow
+def test_a_peer_that_missed_rounds_replays_them_instead_of_downloading_the_state(tmp_path):
+    """A peer frozen for a few rounds of --fragments 2 finds the swarm ahead: it takes the rounds' results from the
+    peers that hold them and steps itself (a fragment at the wire codec each, not the 8 bytes a parameter of G and m),
+    and is back in the groups on the swarm's hash."""
+    from peer.train.model import build_model, count_parameters
+    from peer.train.tokenizer import load_tokenizer
+    from tests.harness.swarm import Swarm, assert_all_leave, assert_groups_agree, wait_until
+
+    swarm = Swarm(tmp_path)
+    flags = ("--fragments", "2", "--inner-steps", "10", "--min-step-seconds", "0.3")
+    try:
+        peers = [swarm.peer(f"p{i}", *flags) for i in range(2)]
+        late = swarm.peer("late", *flags, faults="freeze@inner:4+8")
+        wait_until(lambda: "by replaying" in late.stderr and late.reached(
+            lambda m: sum(r["applied"] and r["group_size"] == 3 and r["epoch"] > 6 for r in m) >= 2), 240,
+            "the frozen peer to replay the rounds it missed and rejoin")
+        assert_all_leave(peers + [late], 60)
+    finally:
+        swarm.close()
+    assert assert_groups_agree(peers + [late]) >= 6
+    state_bytes = 2 * 4 * count_parameters(build_model("micro", load_tokenizer("bytes").vocab_size, 64, 0))
+    caught_up = [r for r in late.metrics if r["rebased"]]
+    assert caught_up and all(r["bytes_received"] < state_bytes for r in caught_up), \
+        [(r["epoch"], r["bytes_received"]) for r in caught_up]

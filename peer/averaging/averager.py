@@ -74,6 +74,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         self._traffic = mp.Array(ctypes.c_ulonglong, 2)  # written by the averager process, read by ours
         self.round_epoch = -1  # the epoch being synced, as set by prepare_round (averager process)
         self.round_phase, self.round_key = GROUP, ""  # which all-reduce this round's step runs, and the round's key
+        self.round_group = -1  # which group of a round of many (-1: one group of all)
         self._rounds_prepared = 0  # prepare_round calls so far (averager process): a stale probe's round is over
         self._probe_task: Optional[asyncio.Task] = None  # this round's liveness probe (averager process)
         self.has_moment = moment is not None
@@ -131,18 +132,18 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
             bits = round_bits(epoch, f"{state_hash}/{CROSS}")
         else:
             bits = round_bits(epoch, state_hash if group < 0 else f"{state_hash}/{GROUP}{group}")
-        internals.call_in_averager(self, "_prepare_round", epoch=epoch, bits=bits, phase=phase,
+        internals.call_in_averager(self, "_prepare_round", epoch=epoch, bits=bits, phase=phase, group=group,
                                    key=result_key(epoch, state_hash), min_group=min_group,
                                    expected_group=expected_group, allreduce_timeout=allreduce_timeout,
                                    part_timeout=part_timeout, probe=list(probe), future=future)
         future.result(timeout=30)
 
-    async def _prepare_round(self, epoch: int, bits: str, phase: str, key: str, min_group: int, expected_group: int,
-                             allreduce_timeout: float, part_timeout: float, probe: List[str],
+    async def _prepare_round(self, epoch: int, bits: str, phase: str, group: int, key: str, min_group: int,
+                             expected_group: int, allreduce_timeout: float, part_timeout: float, probe: List[str],
                              future: MPFuture) -> None:
         try:
             self._rounds_prepared += 1
-            self.round_epoch, self.round_phase, self.round_key = epoch, phase, key
+            self.round_epoch, self.round_phase, self.round_key, self.round_group = epoch, phase, key, group
             if phase == CROSS:
                 self._result(key)  # pending: our groupmates may ask for it from now on
             self.exact_timeout, self.part_timeout = allreduce_timeout, part_timeout
@@ -197,7 +198,10 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         finally:
             if runner is not None:
                 internals.retrieve_runner_error(runner)
-        if self.round_phase == CROSS:  # our groupmates take the result from us (and the other delegates)
+        if self.round_phase == CROSS or self.round_group < 0:
+            # the round's result, served: to our groupmates (from every delegate, in a round of many groups), and to
+            # any peer that missed the round and replays it (``StateCatchUp``); a group's own average in a round of
+            # many groups is not the round's result
             self._conclude(self.round_key, READY, runner.encoded_outputs(), info=dict(
                 gathered={peer: c.to_wire() for peer, c in gathered.items()}, aligned=count == 2,
                 groups=len(group_info.peer_ids),

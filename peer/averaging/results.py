@@ -1,10 +1,15 @@
-"""A cross-group round's result, served by its delegates to their groupmates (``peer/swarm/grouping.py``, phase 3).
+"""A round's result, served by its members: to a cross-group round's groupmates by its delegates (``peer/swarm/
+grouping.py``, phase 3), and to a peer that missed a round and replays it (``peer/round/catchup.py``).
 
 A delegate keeps what its cross-group all-reduce ended with: the encoded averaged parts, in order, exactly the bytes
 every delegate decoded, and the round's merged contributions. A groupmate asks any delegate of the round for the
 result's status, waits while it is pending, then takes its parts from every delegate at once, a slice from each in
 turn, and decodes them as the delegates did: the same bytes, the same codec, the same fp32 values. A delegate that
 fails or stalls is dropped and its slices taken from the others.
+
+Every member of a round of one group keeps its result too, and so does a groupmate once it downloaded it: a peer
+that missed a round downloads that round's result (a fragment at the wire codec's bits, not the 8 bytes a parameter
+of G and m) and takes the outer step itself, bit for bit as the members did.
 
 ``RoundResults`` is a mixin of ``SwarmAverager``: it runs in the averager process.
 """
@@ -31,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 PENDING, READY, MINORITY, NO_MAJORITY, FAILED = "pending", "ready", "minority", "no_majority", "failed"
 GROUP_ONLY = "group"  # a majority group whose delegate met no other group's: apply the group's own average
-KEPT_ROUNDS = 4  # results a delegate keeps serving: its last few rounds
+KEPT_ROUNDS = 8  # results a member keeps serving: its last few rounds (two periods of H at F = 4), and at most
+KEPT_STATE_COPIES = 1  # as many encoded bytes as this many fp32 copies of G (fp16 whole rounds: the last 2 results)
 POLL_SECONDS = 0.25  # how often a groupmate asks again while the result is pending
 PARTS_PER_SLICE = 8  # parts a groupmate asks a delegate for at once
 
@@ -53,6 +59,10 @@ def decode_parts(compression: CodecCompression, parts: Sequence[runtime_pb2.Tens
     if total != numel:
         raise ValueError(f"the result holds {total} values, expected {numel}")
     return torch.cat(values)
+
+
+def _encoded_bytes(results) -> int:
+    return sum(len(part.buffer) for served in results for part in served.parts)
 
 
 @dataclass
@@ -80,6 +90,9 @@ class RoundResults:
                   info: Optional[Dict[str, Any]] = None) -> None:
         served = self._result(key)
         served.status, served.parts, served.info = status, list(parts), dict(info or {})
+        cap = KEPT_STATE_COPIES * 4 * getattr(self, "state_size", 0)
+        while len(self._served) > 1 and cap and _encoded_bytes(self._served.values()) > cap:
+            self._served.popitem(last=False)
 
     def give_up_result(self, epoch: int, state_hash: str) -> None:
         """Main process: this delegate's sync ended without the round's result; its groupmates stop waiting."""
@@ -115,12 +128,15 @@ class RoundResults:
                 yield averaging_pb2.DownloadData(tensor_part=part)
 
     def download_average(self, delegate: str, epoch: int, state_hash: str, numels: Sequence[int], timeout: float,
-                         part_timeout: float) -> Dict[str, Any]:
+                         part_timeout: float, wait: bool = True) -> Dict[str, Any]:
         """Main process: wait for the round's result at ``delegate``, take its parts from every delegate of the round,
-        and write the decoded average into our averaged tensors. Returns the result's info and ``status``."""
+        and write the decoded average into our averaged tensors (``numels``: their sizes, the first moment's last,
+        left out of a result that did not align it). Returns the result's info and ``status``. ``wait``: False for a
+        round long over (a replay): a result that ``delegate`` does not hold is ``PENDING`` at once."""
         future = MPFuture()
         internals.call_in_averager(self, "_download_average", delegate=delegate, key=result_key(epoch, state_hash),
-                                   numels=list(numels), timeout=timeout, part_timeout=part_timeout, future=future)
+                                   numels=list(numels), timeout=timeout, part_timeout=part_timeout, wait=wait,
+                                   future=future)
         try:
             return future.result(timeout=timeout + 10)
         except TimeoutError:
@@ -128,9 +144,9 @@ class RoundResults:
             return dict(status=FAILED, error="the averager process did not answer")
 
     async def _download_average(self, delegate: str, key: str, numels: List[int], timeout: float,
-                                part_timeout: float, future: MPFuture) -> None:
+                                part_timeout: float, wait: bool, future: MPFuture) -> None:
         try:
-            result = await asyncio.wait_for(self._fetch_average(delegate, key, numels, part_timeout), timeout)
+            result = await asyncio.wait_for(self._fetch_average(delegate, key, numels, part_timeout, wait), timeout)
         except asyncio.TimeoutError:
             result = dict(status=FAILED, error=f"no result from the delegate within {timeout:.1f}s")
         except Exception as e:
@@ -138,20 +154,23 @@ class RoundResults:
         if not future.done():
             future.set_result(result)
 
-    async def _fetch_average(self, delegate: str, key: str, numels: List[int], part_timeout: float
-                             ) -> Dict[str, Any]:
+    async def _fetch_average(self, delegate: str, key: str, numels: List[int], part_timeout: float,
+                             wait: bool = True) -> Dict[str, Any]:
         while True:  # the delegate's cross-group all-reduce may still be running
             info, _ = await self._ask(delegate, key, 0, 0, part_timeout)
-            if info.get("status") != PENDING:
+            if info.get("status") != PENDING or not wait:
                 break
             await asyncio.sleep(POLL_SECONDS)
         if info.get("status") != READY:
             return info
-        parts = await self._striped(list(info.get("delegates") or [delegate]), key, int(info["parts"]), part_timeout)
+        numels = numels[: 2 if info.get("aligned") else 1]
+        servers = list(dict.fromkeys([delegate, *(info.get("delegates") or ())]))
+        parts = await self._striped(servers, key, int(info["parts"]), part_timeout)
         values = decode_parts(CodecCompression(self.codec), parts, sum(numels))
         async with enter_asynchronously(self.get_tensors()) as tensors:
             for tensor, piece in zip(tensors, values.split(list(numels))):
                 tensor.copy_(piece.view_as(tensor))
+        self._conclude(key, READY, parts, info=dict(info))  # we serve it on, to whoever replays the round
         return info
 
     async def _striped(self, delegates: List[str], key: str, count: int, part_timeout: float

@@ -1,8 +1,10 @@
 """Catching up: adopt the swarm's best state when it beats ours, keeping our own unmerged work.
 
-- ``catch_up``: by the fork choice (``consensus.choose_state``), download the best state from its holders, check
-  its hash, and rebase onto it (``peer/outer/lineage.py``). Our record says we are downloading it meanwhile, so
-  its holders' next group waits for us.
+- ``catch_up``: by the fork choice (``consensus.choose_state``), reach the best state, check its hash, and rebase onto
+  it (``peer/outer/lineage.py``). A few rounds behind, by replaying them: each round's result (what its members
+  decoded) from a peer that holds it, and the outer step taken here, bit for bit as the members took it; else by
+  downloading the whole state from its holders. Our record says we are fetching it meanwhile, so its holders' next
+  group waits for us.
 - ``settle``: after an attempt that failed for us once our reducer had finished (or a minority group), look for
   our group's finished state and adopt it, before averaging our delta again into a different state.
 - ``hand_over``: before leaving, serve our state while peers that lack it could get it from nobody else.
@@ -23,11 +25,12 @@ from dht.records import PeerRecord
 from peer.config import RunConfig, SyncConfig
 from peer.outer.fragments import Fragments
 from peer.outer.lineage import Lineage, Rebase, rebase_kind
-from peer.outer.state import GlobalState, state_hash
+from peer.outer.nesterov import nesterov_step
+from peer.outer.state import GlobalState, merge_contributors, state_hash
 from peer.round.announce import Announcer
 from peer.round.decide import settle_longer
 from peer.swarm.clock import Clock
-from peer.swarm.consensus import awaiting_state, choose_state, syncing_now
+from peer.swarm.consensus import awaiting_state, choose_state, responsive, syncing_now
 from peer.swarm.deadlines import Deadlines
 from peer.swarm.records import RecordCache
 from peer.train.flat import FlatLayout
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 SETTLE_SECONDS, SETTLE_POLL = 2.0, 0.25  # how long a failed member looks for its group's finished state
 LOOKUP_TIMEOUT = 2.0  # seconds a look at the swarm's records may block training (a partition slows the DHT)
+REPLAY_ROUNDS = 8  # rounds a peer this far behind replays rather than downloads (as many as a member serves)
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,13 @@ class StateCatchUp:
         holders = [r for r in self.cache.records.values() if r.state_hash == best.state_hash and not r.client_mode]
         direct = [r for r in holders if r.reach != Reach.RELAYED.value]  # a relay carries little, and slowly
         donors = [r.peer_id for r in direct or holders]
-        logger.info(f"swarm is at epoch {best.epoch} ({best.state_hash[:8]}), we are at {self.state.epoch}: "
-                    f"downloading the state from {len(donors)} peer(s)")
         self.announcer.adopting(best.state_hash)  # its holders' next group expects us (``consensus.joining``)
         try:
+            kind = self._replay(best, timeout, attempted_epoch)
+            if kind is not None:
+                return CatchUp(adopted=True, merged_ours=kind is Rebase.OURS_MERGED)
+            logger.info(f"swarm is at epoch {best.epoch} ({best.state_hash[:8]}), we are at {self.state.epoch}: "
+                        f"downloading the state from {len(donors)} peer(s)")
             downloaded = self.transport.download(donors, best.state_hash, timeout=timeout,
                                                  part_timeout=self.deadlines.part(), relayed=not direct)
             if downloaded is None:
@@ -93,6 +100,46 @@ class StateCatchUp:
             return CatchUp(adopted=True, merged_ours=kind is Rebase.OURS_MERGED)
         finally:
             self.announcer.adopting(None)  # republished at once, with the state we adopted if we did
+
+    def _replay(self, best: PeerRecord, timeout: float, attempted_epoch: Optional[int]) -> Optional[Rebase]:
+        """Reach ``best`` by replaying the rounds from our state to it: each round's result from a peer past our epoch
+        (the holders of ``best`` first: they hold every round of its lineage), the outer step of its fragment taken
+        here, then the end state checked against ``best``'s hash and adopted. None (nothing changed) if a round is
+        not served, ``best`` is too far ahead, or the end state is another (``best`` is on another lineage)."""
+        rounds = best.epoch - self.state.epoch
+        if not 0 < rounds <= REPLAY_ROUNDS:
+            return None
+        now = self.clock.dht_time()
+        ahead = sorted((r for r in self.cache.records.values() if r.epoch > self.state.epoch and not r.client_mode
+                        and responsive(r, now)), key=lambda r: (r.state_hash != best.state_hash, -r.epoch))
+        donors = [r.peer_id for r in ahead]
+        if not donors:
+            return None
+        deadline = self.clock.monotonic() + timeout
+        params, momentum = self.state.params.clone(), self.state.momentum.clone()
+        epoch, tokens_total, merged = self.state.epoch, self.state.tokens_total, dict(self.state.merged)
+        for _ in range(rounds):
+            averaged = self.transport.replay(donors, epoch, state_hash(params, momentum, epoch),
+                                             timeout=max(deadline - self.clock.monotonic(), 0.1),
+                                             part_timeout=self.deadlines.part())
+            if averaged is None:
+                return None
+            part = self.fragments.of(epoch)
+            with self.transport.buffers() as tensors:
+                average = tensors[0][: part.stop - part.start].clone()
+            if not torch.isfinite(average).all():
+                return None
+            step = self.run.global_step(epoch)
+            nesterov_step(params[part], momentum[part], average, self.run.outer_lr_at(step),
+                          self.run.outer_momentum_at(step))
+            merged = merge_contributors(merged, averaged.gathered, epoch)
+            epoch, tokens_total = epoch + 1, tokens_total + averaged.group_tokens()
+        kind = self.adopt(dict(epoch=epoch, tokens_total=tokens_total, merged=merged, hash=best.state_hash),
+                          [params, momentum], attempted_epoch)
+        if kind is not None:
+            logger.info(f"adopted epoch {self.state.epoch} ({self.state.hash()[:8]}) by replaying {rounds} round(s) "
+                        f"from {len(donors)} peer(s)")
+        return kind
 
     def adopt(self, metadata: dict, tensors: List[torch.Tensor],
               attempted_epoch: Optional[int] = None) -> Optional[Rebase]:

@@ -69,6 +69,11 @@ class Transport(Protocol):
         """The cross-group round's result from its delegates, into the buffers; raises ``MinorityGroup``,
         ``NoMajority`` or ``DelegateLost``."""
 
+    def replay(self, donors: Sequence[str], epoch: int, state_hash: str, timeout: float,
+               part_timeout: float) -> Optional[Averaged]:
+        """The result of the round that closed state (``epoch``, ``state_hash``), into the buffers, from the first of
+        ``donors`` that holds it (a member of that round, or a peer that took it from one); None if none does."""
+
     def give_up_result(self, epoch: int, state_hash: str) -> None:
         """As a delegate whose sync ends without the round's result: our groupmates stop waiting for it."""
 
@@ -134,6 +139,27 @@ class SwarmTransport:
                             groups=int(info.get("groups", 1)))
         error = str(info.get("error") or status)
         raise {MINORITY: MinorityGroup, NO_MAJORITY: NoMajority}.get(status, DelegateLost)(error)
+
+    def replay(self, donors: Sequence[str], epoch: int, state_hash: str, timeout: float,
+               part_timeout: float) -> Optional[Averaged]:
+        deadline = time.monotonic() + timeout
+        with self.averager.get_tensors() as tensors:
+            numels = [t.numel() for t in tensors]
+        for donor in donors:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            started = time.monotonic()
+            info = self.averager.download_average(donor, epoch, state_hash, numels, left, part_timeout, wait=False)
+            if info.get("status") != READY:
+                continue
+            try:
+                gathered = {peer: Contribution.from_wire(c) for peer, c in info["gathered"].items()}
+            except (KeyError, AttributeError, ValueError):  # a stranger's malformed answer: ask the next donor
+                continue
+            return Averaged(gathered=gathered, aligned=bool(info.get("aligned")), seconds=time.monotonic() - started,
+                            groups=int(info.get("groups", 1)))
+        return None
 
     def give_up_result(self, epoch: int, state_hash: str) -> None:
         self.averager.give_up_result(epoch, state_hash)

@@ -79,6 +79,9 @@ class FakeTransport:
         self.given_up: List[Tuple[int, str]] = []
         self.concluded: List[Tuple[int, str, Tuple[str, ...]]] = []  # majority groups applied on their own
         self.last_group: Optional[Contribution] = None  # our word in the last group formed
+        # round results the other peers serve to a replay: (epoch, state hash) -> (result, its averaged buffer)
+        self.results: Dict[Tuple[int, str], Tuple[Averaged, torch.Tensor]] = {}
+        self.replayed: List[Tuple[Tuple[str, ...], int, str]] = []  # each replay asked: donors, epoch, state hash
 
     def read_records(self, timeout: float) -> Optional[Dict[str, PeerRecord]]:
         if self.late:
@@ -126,6 +129,14 @@ class FakeTransport:
         if isinstance(script, BaseException):
             raise script
         return script(self, None, 0.0)
+
+    def replay(self, donors, epoch, state_hash, timeout, part_timeout) -> Optional[Averaged]:
+        self.replayed.append((tuple(donors), epoch, state_hash))
+        if (epoch, state_hash) not in self.results or not donors:
+            return None
+        averaged, average = self.results[(epoch, state_hash)]
+        self.tensors[0][: average.numel()].copy_(average)
+        return averaged
 
     def give_up_result(self, epoch, state_hash) -> None:
         self.given_up.append((epoch, state_hash))
