@@ -94,6 +94,7 @@ class Parts:
     synchronizer: Synchronizer
     lock: threading.Lock  # guards the global state against a concurrent download by a peer
     closer: contextlib.ExitStack
+    resumed_hash: Optional[str] = None  # hash(G, m, e) as restored from the checkpoint; None on a fresh start
 
     def close(self) -> None:
         self.closer.close()
@@ -133,13 +134,15 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         state = GlobalState(params=layout.gather(trainer.params, layout.empty()), momentum=layout.empty())
         progress, position = Progress(), 0
         if payload is not None:
-            progress, position = restore(payload, state, trainer, layout, reporter, eval_batches, node)
+            progress, position = restore(payload, state, trainer, layout)
+            _say_resumed(payload, progress, node, reporter)
         stream = corpus.stream(run.seed, peer_id, position)
         if island is not None:
             island.share(position)
         parts = Parts(namespace=namespace, reporter=reporter, dht=dht, peer_id=peer_id, net=net, reach=reach,
                       manifest=manifest, created=created, run=run, trainer=trainer, eval_batches=eval_batches,
                       layout=layout, state=state, stream=stream, progress=progress,
+                      resumed_hash=state.hash() if payload is not None else None,  # join publishes it: computed once
                       **_round_parts(run, sync, net, reach, hooks, dht, namespace, manifest, peer_id, trainer, layout,
                                      state, payload, progress, closer))
         parts.closer = closer.pop_all()  # from here on, Parts.close shuts everything down
@@ -266,9 +269,10 @@ def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeC
     return manifest, created
 
 
-def restore(payload: CheckpointPayload, state: GlobalState, trainer, layout: FlatLayout, reporter: Reporter,
-            eval_batches, node: NodeConfig):
-    """Resume epoch, outer state, inner model and optimizer from a checkpoint; returns (progress, data position)."""
+def restore(payload: CheckpointPayload, state: GlobalState, trainer, layout: FlatLayout) -> Tuple[Progress, int]:
+    """Resume epoch, outer state, inner model and optimizer from a checkpoint; returns (progress, data position).
+    Nothing is evaluated here: a restart's first inner step waits for nothing but the model (the state's hash, in the
+    first round's metrics as ``resumed_hash``, says bit for bit what was restored)."""
     state.params.copy_(payload.params)
     state.momentum.copy_(payload.momentum)
     state.epoch, state.tokens_total, state.merged = int(payload.epoch), int(payload.tokens_total), dict(payload.merged)
@@ -277,10 +281,12 @@ def restore(payload: CheckpointPayload, state: GlobalState, trainer, layout: Fla
     trainer.local_steps = int(payload.local_steps)
     progress = Progress(int(payload.rounds), int(payload.pending_tokens), int(payload.pending_rounds),
                         payload.last_loss)
-    eval_loss = trainer.evaluate(eval_batches)  # the level we resume at, on the held-out split
+    return progress, int(payload.data_position)
+
+
+def _say_resumed(payload: CheckpointPayload, progress: Progress, node: NodeConfig, reporter: Reporter) -> None:
     loss, partial = progress.last_loss, int(payload.round_steps)
-    reporter.info(f"resumed from {node.checkpoint_dir}: epoch {state.epoch}, "
-                  f"loss {loss if loss is None else round(loss, 3)}, held-out eval {eval_loss:.6f}"
+    reporter.info(f"resumed from {node.checkpoint_dir}: epoch {int(payload.epoch)}, "
+                  f"loss {loss if loss is None else round(loss, 3)}"
                   + (f", {partial} steps into a round ({progress.pending_tokens} tokens of work unmerged)"
                      if partial else ""))
-    return progress, int(payload.data_position)

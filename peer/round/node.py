@@ -60,6 +60,9 @@ class Peer:
         self.last_bytes_sent = 0
         self.last_eval: Tuple[int, Optional[float]] = (-1, None)  # (epoch, held-out loss) of our last evaluation
         self.last_group_size = 0
+        # seconds from this process's start to its first inner step; with ``resumed_hash``, in the first record only
+        self.startup_seconds: Optional[float] = None
+        self.reported = False  # this process wrote its first round record
         stop_on_signals(self.stop_requested, self.reporter)  # after the averager forked: hivemind ignores SIGINT
 
     def join(self) -> None:
@@ -121,7 +124,9 @@ class Peer:
             if step == max(1, min(steps, run.round_steps) // 2):
                 self.hooks.at(INNER, epoch_at_start)
 
-        def should_stop(steps_done: int) -> bool:
+        def should_stop(steps_done: int) -> bool:  # called before every step
+            if self.startup_seconds is None:
+                self.startup_seconds = process_age()
             return self.stop_requested.is_set() or clock.over(steps_done)
 
         stats = self.parts.trainer.train(batches, steps, run.global_step(self.state.epoch), should_stop, on_step)
@@ -192,6 +197,9 @@ class Peer:
         traffic = self._round_traffic()
         self.last_bytes_sent = traffic[0] or self.last_bytes_sent
         record = round_record(self.parts, job, result, sync_seconds, eval_loss, traffic, overlap=self.node.overlap)
+        first, self.reported = not self.reported, True
+        record.update(startup_seconds=self.startup_seconds if first else None,
+                      resumed_hash=self.parts.resumed_hash if first else None)
         if self.island is not None:
             record.update(island_ranks=self.island.size, island_tokens=job.stats.rank_tokens,
                           island_hashes=island_hashes)
@@ -288,6 +296,17 @@ class Peer:
             self._publish(status="left")
         except Exception as e:  # the p2p daemon may already be gone (Ctrl+C reaches it too)
             logger.debug(f"could not publish our departure: {e!r}")
+
+
+def process_age() -> Optional[float]:
+    """Seconds since this process started: its start time in /proc/self/stat (Linux; clock ticks since boot, so the
+    interpreter's own start and the imports count), or None where there is no /proc."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
+        return round(time.clock_gettime(time.CLOCK_BOOTTIME) - started, 2)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def stop_on_signals(stop_requested: threading.Event, reporter) -> None:
