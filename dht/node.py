@@ -150,10 +150,12 @@ def signing_identity(config: DHTConfig) -> Tuple[DHTConfig, bool]:
 
 
 def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase] = (),
-              check_identity: bool = True) -> SwarmDHT:
+              check_identity: bool = True, await_ready: bool = True) -> SwarmDHT:
     """Start a DHT node; every failure a user can cause becomes a one-line ``UserError``. Every node signs its
     records and checks others' signatures (``dht/validation.py``); ``record_validators`` add to that.
-    ``check_identity``: ask the swarm whether a live peer already uses ``identity_path`` (``identity_taken``)."""
+    ``check_identity``: ask the swarm whether a live peer already uses ``identity_path`` (``identity_taken``).
+    ``await_ready=False``: return once its process is forked, while its p2p daemon starts and reaches the initial
+    peers (a peer builds its model meanwhile); ``dht_ready`` then waits for it, and says what failed."""
     internals.check_version()
     validators = list(record_validators)
     if not any(isinstance(v, RSASignatureValidator) for v in validators):
@@ -174,18 +176,30 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
             record_validators=validators,
             startup_timeout=config.startup_timeout,
             start=True,
+            await_ready=False,
             **(_relayed(initial_peers) if config.relayed else {}),
         )
+    except (P2PDaemonError, TimeoutError) as e:
+        raise _startup_error(e, config) from None
+    return dht_ready(dht, config) if await_ready else dht
+
+
+def dht_ready(dht: SwarmDHT, config: DHTConfig) -> SwarmDHT:
+    """Wait until ``start_dht``'s node runs; its failures as ``start_dht`` says them."""
+    try:
+        dht.wait_until_ready()
         if not config.client_mode:
             serve_dial_back(dht)  # others may ask whether they can be dialled (dht/reach.py)
         return dht
-    except P2PDaemonError as e:
-        raise UserError(explain_daemon_error(str(e), config)) from None
-    except TimeoutError:
-        raise UserError(
-            f"the DHT did not start within {config.startup_timeout:.0f}s; check that the initial peers "
-            f"{' '.join(initial_peers) or '(none)'} are reachable, or raise --startup-timeout"
-        ) from None
+    except (P2PDaemonError, TimeoutError) as e:
+        raise _startup_error(e, config) from None
+
+
+def _startup_error(error: Exception, config: DHTConfig) -> UserError:
+    if isinstance(error, P2PDaemonError):
+        return UserError(explain_daemon_error(str(error), config))
+    return UserError(f"the DHT did not start within {config.startup_timeout:.0f}s; check that the initial peers "
+                     f"{' '.join(config.initial_peers) or '(none)'} are reachable, or raise --startup-timeout")
 
 
 def _relayed(relays: list) -> dict:

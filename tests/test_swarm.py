@@ -78,6 +78,25 @@ def test_lone_peer_learns_and_resumes_from_checkpoint(swarm, tmp_path):
     assert after[0]["tokens_total"] == rounds[-1]["tokens_total"] + after[0]["tokens"]
 
 
+def test_a_resume_that_the_flags_or_the_swarm_refuse_is_one_line_and_keeps_the_checkpoint(swarm, tmp_path):
+    """A resumed peer builds its model from its checkpoint while its DHT starts, before the swarm answers
+    (peer/round/build.py); a flag or a swarm's run that disagree with the checkpoint still end in one line, and the
+    checkpoint is as it was."""
+    checkpoint = tmp_path / "ckpt"
+    lone = swarm.peer("lone", "--max-rounds", "1", "--checkpoint-dir", str(checkpoint), join=False)
+    assert lone.wait(120) == 0, lone.stderr[-2000:]
+    saved = (checkpoint / "state.pt").read_bytes()
+    swarm.peer("other", "--inner-steps", "7").wait_rounds(1, timeout=120)  # the swarm's 'diloco': another config
+    for name, flags, says in (("flag", ("--model", "small"), "--model small conflicts with run 'diloco'"),
+                              ("swarm", ("--initial-peers", swarm.maddr, "--inner-steps", "7"),
+                               "belongs to another configuration of run 'diloco'")):
+        refused = swarm.peer(name, "--checkpoint-dir", str(checkpoint), *flags, join=False)
+        assert refused.wait(120) == 2, refused.stderr[-3000:]
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and says in errors[0] and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert (checkpoint / "state.pt").read_bytes() == saved
+
+
 def test_a_peer_killed_mid_round_resumes_the_round_and_its_tokens_count(swarm, tmp_path):
     """With --checkpoint-every, a peer SIGKILLed mid-round loses at most that much work: the restart resumes the
     partial round (theta, AdamW state, data position) and its next outer step counts that round's tokens too."""

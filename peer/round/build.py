@@ -1,8 +1,9 @@
 """Build a node's parts from its configs, each with its collaborators passed in: the order a peer starts in.
 
 1. the checkpoint, if any (a corrupt file fails here, before any network), and a stable identity;
-2. the DHT, then the run's manifest: the swarm's, or ours from the checkpoint or the flags;
-3. the trainer and the global state, restored from the checkpoint;
+2. the DHT's process, forked; while its p2p daemon starts, the trainer and the global state (restored from the
+   checkpoint) of a run known already: a checkpoint's, or one this peer starts alone (docs/design.md, "Startup");
+3. the run's manifest: the swarm's, or ours from the checkpoint or the flags; a joiner's trainer, built now;
 4. error feedback and the averager process (forked: it inherits the warmed-up codec);
 5. the round's parts: transport, record cache, announcer, lineage, catch-up, synchronizer.
 
@@ -26,7 +27,7 @@ from dht.addresses import parse_maddrs
 from dht.errors import UserError
 from dht.joining import reachable
 from dht.manifest import RunManifest, join_or_create, listed_name, publish_manifest, run_namespace
-from dht.node import DHTConfig, signing_identity, start_dht
+from dht.node import DHTConfig, dht_ready, signing_identity, start_dht
 from dht.reach import Reach
 from dht.validation import run_validators
 from peer import config_file
@@ -111,42 +112,77 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         net, fresh = signing_identity(net)  # our records are signed with our peer id's own key
         namespace = run_namespace(node.run_id, node.run_token or os.environ.get("DILOCO_RUN_TOKEN"))
         validators = run_validators(namespace)
-        dht = start_dht(net, validators, check_identity=not fresh)
+        proposal = propose_manifest(namespace, run_flags, node, payload)
+        # the DHT's process starts its p2p daemon and reaches the initial peers while this one builds the model
+        # (forked here, before any model work: this process runs no other thread yet)
+        dht = start_dht(net, validators, check_identity=not fresh, await_ready=False)
         closer.callback(_shut_down, dht)
+        # a run that is ours (a checkpoint's, or one we start alone) is known before the swarm answers; a joiner's
+        # comes from the swarm. A manifest the swarm then refuses ends in resolve_manifest's one line, nothing written
+        early = island is None and (payload is not None or not net.initial_peers)
+        local = _local_side(_as_here(proposal.settings, run_flags), node, None, payload) if early else None
+        dht = dht_ready(dht, net)
         peer_id = dht.peer_id.to_base58()
-        manifest, created = resolve_manifest(dht, namespace, run_flags, node, net, payload)  # the right run first
+        manifest, created = resolve_manifest(dht, namespace, run_flags, node, net, payload, proposal)  # the right run
         restarted, net, reach = reachable(dht, net, validators)
         if restarted is not dht:  # relayed, or in client mode: the first one is shut down
             dht = restarted
             closer.callback(_shut_down, dht)
-        run = localized(RunConfig.from_settings(dict(manifest.settings)), run_flags)  # this node's model copies
+        run = _as_here(manifest.settings, run_flags)  # this node's model copies
         if node.checkpoint_dir:
             keep_tokenizer(run, node.checkpoint_dir)
         reporter.trackers = Trackers.from_flags(node.tensorboard, node.wandb, run_id=node.run_id, peer_id=peer_id,
                                                 config=dict(manifest.settings, peer_id=peer_id))
         if node.dashboard:
             _serve_dashboard(node, dht, namespace, closer, reporter)
-        if island is not None:  # the other ranks build the same trainer from the same settings
-            island.share(dict(settings=dataclasses.asdict(run), shard_key=peer_id))
-        corpus, trainer = build_trainer(run, node, island)
-        eval_batches = corpus.eval_batches(run.eval_batches, run.batch_size)
-        layout = FlatLayout(trainer.params)
-        state = GlobalState(params=layout.gather(trainer.params, layout.empty()), momentum=layout.empty())
-        progress, position = Progress(), 0
+        if local is None or local.run != run:
+            if island is not None:  # the other ranks build the same trainer from the same settings
+                island.share(dict(settings=dataclasses.asdict(run), shard_key=peer_id))
+            local = _local_side(run, node, island, payload)
         if payload is not None:
-            progress, position = restore(payload, state, trainer, layout)
-            _say_resumed(payload, progress, node, reporter)
-        stream = corpus.stream(run.seed, peer_id, position)
+            _say_resumed(payload, local.progress, node, reporter)
+        stream = local.corpus.stream(run.seed, peer_id, local.position)
         if island is not None:
-            island.share(position)
+            island.share(local.position)
+        trainer, layout, state, progress = local.trainer, local.layout, local.state, local.progress
         parts = Parts(namespace=namespace, reporter=reporter, dht=dht, peer_id=peer_id, net=net, reach=reach,
-                      manifest=manifest, created=created, run=run, trainer=trainer, eval_batches=eval_batches,
+                      manifest=manifest, created=created, run=run, trainer=trainer,
+                      eval_batches=local.corpus.eval_batches(run.eval_batches, run.batch_size),
                       layout=layout, state=state, stream=stream, progress=progress,
                       resumed_hash=state.hash() if payload is not None else None,  # join publishes it: computed once
                       **_round_parts(run, sync, net, reach, hooks, dht, namespace, manifest, peer_id, trainer, layout,
                                      state, payload, progress, closer))
         parts.closer = closer.pop_all()  # from here on, Parts.close shuts everything down
         return parts
+
+
+@dataclass
+class LocalSide:
+    """What a peer trains, built without the network: the corpus, the trainer, G and m, restored if resuming."""
+
+    run: RunConfig
+    corpus: Any
+    trainer: Any
+    layout: FlatLayout
+    state: GlobalState
+    progress: Progress
+    position: int  # where this peer's data order stands
+
+
+def _local_side(run: RunConfig, node: NodeConfig, island: Optional[Island],
+                payload: Optional[CheckpointPayload]) -> LocalSide:
+    corpus, trainer = build_trainer(run, node, island)
+    layout = FlatLayout(trainer.params)
+    state = GlobalState(params=layout.gather(trainer.params, layout.empty()), momentum=layout.empty())
+    progress, position = Progress(), 0
+    if payload is not None:
+        progress, position = restore(payload, state, trainer, layout)
+    return LocalSide(run, corpus, trainer, layout, state, progress, position)
+
+
+def _as_here(settings, run_flags: Dict[str, Any]) -> RunConfig:
+    """A manifest's run as this node loads it: its own copies of a Hugging Face model and tokenizer."""
+    return localized(RunConfig.from_settings(dict(settings)), run_flags)
 
 
 def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, reach: Reach, hooks: Hooks, dht, namespace: str,
@@ -226,18 +262,23 @@ def _serve_dashboard(node: NodeConfig, dht, namespace: str, closer: contextlib.E
     reporter.info(f"the swarm's dashboard: {dashboard.url}")
 
 
+def propose_manifest(namespace: str, run_flags: Dict[str, Any], node: NodeConfig,
+                     payload: Optional[CheckpointPayload]) -> RunManifest:
+    """The manifest we would start the run with: the checkpoint's, or one from the flags."""
+    if payload is None:
+        return RunManifest(namespace, pinned(RunConfig(**run_flags)).to_settings())
+    proposal = RunManifest.from_record(namespace, payload.manifest_record)
+    if proposal is None:
+        raise UserError(f"checkpoint in {node.checkpoint_dir} holds no valid signed run manifest (an "
+                        f"older format?); use another --checkpoint-dir")
+    return proposal
+
+
 def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeConfig, net: DHTConfig,
-                     payload: Optional[CheckpointPayload]) -> Tuple[RunManifest, bool]:
-    """The run's manifest: the swarm's if it has one, else ours (from the checkpoint or the flags); and whether
-    we created the run."""
+                     payload: Optional[CheckpointPayload], proposal: RunManifest) -> Tuple[RunManifest, bool]:
+    """The run's manifest: the swarm's if it has one, else ours (``proposal``: from the checkpoint or the flags); and
+    whether we created the run."""
     run_id = node.run_id
-    if payload is not None:
-        proposal = RunManifest.from_record(namespace, payload.manifest_record)
-        if proposal is None:
-            raise UserError(f"checkpoint in {node.checkpoint_dir} holds no valid signed run manifest (an "
-                            f"older format?); use another --checkpoint-dir")
-    else:
-        proposal = RunManifest(namespace, pinned(RunConfig(**run_flags)).to_settings())
     listed = listed_name(run_id, namespace)
     if net.initial_peers:
         # a checkpoint proves the run existed: its peer may bring it back when the swarm has lost it
