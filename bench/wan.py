@@ -33,7 +33,8 @@ peer (which writes round k's record once its sync is joined, at the end of round
 rounds one later; for hivemind the steps between two epoch changes. Compute is what each worker counts as
 its inner steps (forward, backward, optimizer step, pacing pad); everything else in the wall time is the
 cost of synchronising. The peers' time is split further from their records: sync (what the training loop
-waited for its sync) and the rest (round bookkeeping, schedule lookups, publishing). Bytes are the wire
+waited for its sync) and the rest (round bookkeeping, schedule lookups, publishing); and what one sync sent through
+the transport (its records' ``bytes_sent``: the burst a household's uplink takes at once), mean and most. Bytes are the wire
 bytes through each namespace's link (all traffic, TCP/IP headers included) over the window, per round, and
 "link busy" the seconds per round in which a worker's link carried more than ``BUSY_MBIT``: the all-reduce
 moving its tensors, as the network saw it.
@@ -251,7 +252,9 @@ def window(system: str, rows: List[dict], rounds: int, shift: int) -> Optional[d
     if not system.startswith("hivemind"):
         syncs = rows[1: rounds + 1]
         waited = sum(r["sync_seconds"] for r in syncs)
-        figures.update(waited=waited, other=wall - compute - waited,
+        sent = [r["bytes_sent"] for r in syncs if r["applied"]] or [0]
+        figures.update(waited=waited, other=wall - compute - waited, sync_sent=statistics.mean(sent),
+                       sync_peak=max(sent),
                        sync_wall=statistics.median(r.get("sync_wall_seconds", r["sync_seconds"]) for r in syncs),
                        steps=statistics.mean(r["inner_steps"] for r in rows[1 + shift: rounds + 1 + shift]))
     else:
@@ -286,6 +289,8 @@ def summarize(system: str, records: List[List[dict]], meter: LinkMeter, rounds: 
             waited=statistics.mean(w["waited"] / rounds for w in figures),
             other=statistics.mean(w["other"] / rounds for w in figures),
             sync_wall=statistics.median(w["sync_wall"] for w in figures),
+            sync_sent=statistics.mean(w["sync_sent"] for w in figures),
+            sync_peak=max(w["sync_peak"] for w in figures),
             **agreement(records),
         )
     return result
@@ -329,26 +334,27 @@ def megabytes(count: float) -> str:
 def table(results: List[dict]) -> str:
     lines = ["| preset | link | system | utilization mean | min | round wall s | compute s/round | sync wall s "
              "(median) | waited s/round | other s/round | link busy s/round | MB sent/round | MB recv/round "
-             "| F | MB sent/H | state hashes | loss (last) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| F | MB sent/H | MB a sync sent (mean / most) | state hashes | loss (last) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         head = f"| {r['preset']} | {link_named(r['link']).describe()} | {r['system']} "
         if not r.get("measured"):
-            lines.append(head + "| not measured: " + "; ".join(r["problems"]) + " |" + " |" * 13)
+            lines.append(head + "| not measured: " + "; ".join(r["problems"]) + " |" + " |" * 14)
             continue
         partial = f" ({r['measured']}/{r['workers']} workers)" if r["measured"] < r["workers"] else ""
         if r["system"].startswith("hivemind"):
-            sync = "| - | - | - "
+            sync, bursts = "| - | - | - ", "-"
             hashes = "n/a (local updates: replicas differ by design)"
         else:
             sync = f"| {r['sync_wall']:.2f} | {r['waited']:.2f} | {r['other']:.2f} "
+            bursts = f"{megabytes(r['sync_sent'])} / {megabytes(r['sync_peak'])}"
             hashes = "agree" if r["agreed"] else f"split at epochs {r['split']}"
             hashes += f"; forks at {r['forks']}" if r["forks"] else ""
             hashes += f"; {len(r['unapplied'])} rounds not applied" if r["unapplied"] else ""
         lines.append(head + f"| {r['utilization']:.3f}{partial} | {r['utilization_min']:.3f} | {r['round_wall']:.1f} | "
                      f"{r['compute']:.1f} " + sync + f"| {r['busy']:.2f} | {megabytes(r['sent'])} | "
                      f"{megabytes(r['received'])} | {r.get('fragments', 1)} | "
-                     f"{megabytes(r['sent'] * r.get('fragments', 1))} | {hashes} | {r['loss']:.3f} |")
+                     f"{megabytes(r['sent'] * r.get('fragments', 1))} | {bursts} | {hashes} | {r['loss']:.3f} |")
     return "\n".join(lines)
 
 
