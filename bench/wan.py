@@ -34,8 +34,8 @@ rounds one later; for hivemind the steps between two epoch changes. Compute is w
 its inner steps (forward, backward, optimizer step, pacing pad); everything else in the wall time is the
 cost of synchronising. The peers' time is split further from their records: sync (what the training loop
 waited for its sync) and the rest (round bookkeeping, schedule lookups, publishing); and what one sync sent through
-the transport (its records' ``bytes_sent``: the burst a household's uplink takes at once), mean and most. Bytes are the wire
-bytes through each namespace's link (all traffic, TCP/IP headers included) over the window, per round, and
+the transport (its records' ``bytes_sent``: the burst a household's uplink takes at once), mean and most. Bytes are
+the wire bytes through each namespace's link (all traffic, TCP/IP headers included) over the window, per round, and
 "link busy" the seconds per round in which a worker's link carried more than ``BUSY_MBIT``: the all-reduce
 moving its tensors, as the network saw it.
 """
