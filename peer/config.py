@@ -83,8 +83,8 @@ class RunConfig:
             raise ValueError("model must name a preset, a Hugging Face model directory or a hub name")
         require_positive(self, "seq_len", "batch_size", "inner_steps", "eval_batches", "eval_every", "quorum",
                          "fragments")
-        if self.inner_steps is not None and self.inner_steps % self.fragments:
-            raise ValueError(f"inner_steps must be a multiple of fragments ({self.fragments}), got {self.inner_steps}")
+        if self.inner_steps is not None and self.inner_steps < self.fragments:
+            raise ValueError(f"inner_steps must be at least fragments ({self.fragments}), got {self.inner_steps}")
         require_non_negative(self, "round_seconds", "weight_decay", "grad_clip", "align_every", "grace_seconds",
                              "clip_factor", "ban_after", "group_size",
                              "lr_decay_steps", "warmup_steps", "max_staleness", "outer_warmup")
@@ -105,7 +105,8 @@ class RunConfig:
 
     @property
     def round_steps(self) -> int:
-        """Inner steps per round: H, or H / F with fragments (each fragment is still averaged every H steps)."""
+        """Inner steps per round: H, or H // F with fragments (each fragment is averaged every F x (H // F) steps, H
+        rounded down to a multiple of F)."""
         return (self.inner_steps or run_defaults(self.model).inner_steps) // self.fragments
 
     @property
@@ -143,10 +144,10 @@ class RunConfig:
 
     def _outer_blend(self, global_step: int) -> float:
         """0 at the first outer step, 1 from step ``outer_warmup`` on (IEEE division of small integers: the same
-        bits everywhere). With fragments, a fragment's own outer steps count: one every H global steps."""
+        bits everywhere). With fragments, a fragment's own outer steps count: one every F rounds."""
         if not self.outer_warmup:
             return 1.0
-        return min(1.0, (global_step // max(self.inner_steps or 1, 1)) / self.outer_warmup)
+        return min(1.0, (global_step // max(self.round_steps, 1) // self.fragments) / self.outer_warmup)
 
     def resolved(self) -> "RunConfig":
         """Fill every preset-dependent default, so the manifest pins concrete values."""

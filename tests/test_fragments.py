@@ -36,10 +36,10 @@ def test_a_round_is_h_over_f_steps_and_a_fragment_counts_its_own_outer_steps():
     # the first outer step of every fragment is plain averaging; each fragment's second is half-way to Nesterov
     lrs = [run.outer_lr_at(run.global_step(epoch)) for epoch in range(9)]
     assert lrs[:4] == [1.0] * 4 and lrs[4:8] == [0.85] * 4 and lrs[8] == 0.7
-    with pytest.raises(ValueError, match="inner_steps must be a multiple of fragments"):
-        RunConfig(inner_steps=50, fragments=4)
-    with pytest.raises(ValueError, match="inner_steps must be a multiple of fragments"):
-        RunConfig(model="tiny", fragments=3).resolved()  # tiny's H = 50
+    odd = RunConfig(inner_steps=50, fragments=4, outer_warmup=2)  # H rounded down to a multiple of F: rounds of 12
+    assert odd.round_steps == 12 and [odd.outer_lr_at(odd.global_step(e)) for e in (3, 4, 8)] == [1.0, 0.85, 0.7]
+    with pytest.raises(ValueError, match="inner_steps must be at least fragments"):
+        RunConfig(inner_steps=3, fragments=4)
 
 
 def test_a_round_sends_one_fragment_and_steps_that_fragment_of_g_alone():
