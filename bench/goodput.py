@@ -11,7 +11,12 @@ daemon). The clock starts once every peer has finished its first round and runs 
 - ``kill``: about every 2 rounds, SIGKILL a random live peer (``random.Random(0)``; one that has finished a
   round since it last started, so not one still importing torch) and restart it one round later from the
   same --checkpoint-dir (same peer id, resumes its epoch and catches up);
-- ``freeze``: about every 3 rounds, SIGSTOP one peer (in turn) for 30 s, then SIGCONT; never two at once.
+- ``freeze``: about every 3 rounds, SIGSTOP one peer (in turn) for 30 s, then SIGCONT; never two at once;
+- ``restart``: about every 2 rounds, SIGKILL a random live peer, as ``kill``, and restart it at once: what a crash
+  costs when the peer comes straight back (its restart, the work since its checkpoint, its catch-up).
+
+A kill's dead peer-time (from the kill to the restart) caps what any system keeps: the "ceiling" column is one less
+the window's dead peer-time share, and "vs ceiling" the schedule's goodput against its no-fault run, over that.
 
 "About every N rounds": each gap is drawn uniformly from N-0.5 to N+0.5 rounds, so that faults fall at every
 phase of a round (inner steps, matchmaking, all-reduce, checkpoint write) rather than always at the one the
@@ -58,7 +63,7 @@ from typing import Dict, List, Optional
 
 from tests.harness.swarm import PeerProc, Proc, Swarm, read_metrics, signal_group, wait_until
 
-SCHEDULES = ("none", "kill", "freeze")
+SCHEDULES = ("none", "kill", "freeze", "restart")
 KILL_EVERY, FREEZE_EVERY = 2, 3  # rounds, on average
 JITTER = 0.5  # rounds either way
 FREEZE_SECONDS = 30.0
@@ -216,7 +221,8 @@ def inject(schedule: str, swarm: "Peers | SyncJob", end: float, rng: random.Rand
     faults: List[Fault] = []
     dead: Dict[int, float] = {}  # peer -> when to restart it
     frozen: Optional[Fault] = None
-    every = {"kill": KILL_EVERY, "freeze": FREEZE_EVERY}.get(schedule)
+    every = {"kill": KILL_EVERY, "restart": KILL_EVERY, "freeze": FREEZE_EVERY}.get(schedule)
+    kills = schedule in ("kill", "restart")
     def gap(length: float) -> float:
         return rng.uniform(every - JITTER, every + JITTER) * length
 
@@ -235,12 +241,12 @@ def inject(schedule: str, swarm: "Peers | SyncJob", end: float, rng: random.Rand
             records = swarm.records()
             length = round_seconds(records)
             ready = [i for i in range(len(swarm.peers)) if i not in dead and swarm.ready(i, records)]
-            if schedule == "kill" and not ready:
+            if kills and not ready:
                 next_fault = now + length
-            elif schedule == "kill":
+            elif kills:
                 victim = rng.choice(ready)
                 swarm.signal_group(victim, signal.SIGKILL)
-                dead[victim] = now + length
+                dead[victim] = now + (length if schedule == "kill" else 0.0)
                 faults.append(Fault("kill", victim, now, dead[victim]))
                 next_fault = now + gap(length)
             else:
@@ -284,8 +290,10 @@ def summarize(records: List[List[dict]], start: float, end: float, faults: List[
                      for tokens in {r["tokens_total"] for _, r in inside}}.items())
     between = ((events[-1][0] - events[0][0]) / (events[-1][1] - events[0][1])
                if len(events) > 1 and events[-1][1] > events[0][1] else float("nan"))
+    dead = sum(max(0.0, min(f.end, end) - max(f.start, start)) for f in faults if f.kind == "kill")
     return dict(
         seconds=seconds, faults=len(faults), goodput=merged / seconds, trained=trained / seconds, between=between,
+        ceiling=1 - dead / (len(records) * seconds),
         ratio=merged / trained if trained else float("nan"),
         rounds=max(r["epoch"] for r in until) - max(r["epoch"] for r in before),
         median_sync=statistics.median(r["sync_seconds"] for _, r in inside) if inside else float("nan"),
@@ -336,8 +344,8 @@ def run_schedule(system: str, schedule: str, args, root: Path) -> dict:
 def table(results: List[dict]) -> str:
     lines = ["| system | schedule | faults | restarts | goodput tok/s | vs its no-fault run | vs swarm, no faults "
              "| between merges tok/s | vs its no-fault run | merged/trained | rounds | median sync s "
-             "| worst survivor sync s | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| worst survivor sync s | final loss | ceiling | vs ceiling |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     swarm_base = next((r["goodput"] for r in results if (r["system"], r["schedule"]) == ("swarm", "none")),
                       float("nan"))
     for r in results:
@@ -350,7 +358,8 @@ def table(results: List[dict]) -> str:
         sync = f"{r['median_sync']:.2f} | {r['worst_sync']:.1f}" if swarm else "- | -"
         lines.append(f"| {r['system']} | {r['schedule']} | {r['faults']} | {r['restarts']} | {r['goodput']:,.0f} | "
                      f"{r['goodput'] / base['goodput']:.0%} | {vs_swarm} | {between} | "
-                     f"{r['ratio']:.2f} | {r['rounds']} | {sync} | {r['loss']:.3f} |")
+                     f"{r['ratio']:.2f} | {r['rounds']} | {sync} | {r['loss']:.3f} | {r['ceiling']:.1%} | "
+                     f"{r['goodput'] / base['goodput'] / r['ceiling']:.0%} |")
     return "\n".join(lines)
 
 
