@@ -7,7 +7,10 @@ vector is combined here with ``peer.averaging.robust.robust_mean`` (what ExactAl
 their parts), followed by the codec round trip of its reply.
 
 With ``run.fragments`` F > 1, a round is H/F inner steps and averages one fragment of the vector
-(``peer/outer/fragments.py``), as the peers do.
+(``peer/outer/fragments.py``), as the peers do. With ``overlap`` (a fraction of a round), each round's average
+lands that far into the next round, as with the peers' ``--overlap``: the next round starts from the eager outer
+step (each replica's own delta in place of the average), and when the average lands each replica is shifted by
+the difference, keeping the steps taken since (``peer/train/local.py``). The held-out loss is always G's.
 
 ``data_parallel`` is the baseline: synchronous data-parallel training, the replicas' gradients averaged
 every step, on the same data streams, with the same inner loop and schedule.
@@ -105,7 +108,8 @@ def warm_start(trainers: Sequence[InnerTrainer], streams, batch_size: int, steps
 def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, seed: int = 0,
              paces: Optional[Sequence[float]] = None,
              schedule: Optional[Sequence[Sequence[int]]] = None, warm_steps: int = 0,
-             observe: Optional[Callable[[str, torch.Tensor], None]] = None) -> SimulationResult:
+             observe: Optional[Callable[[str, torch.Tensor], None]] = None, overlap: float = 0.0
+             ) -> SimulationResult:
     """``rounds`` outer rounds of ``replicas`` replicas; ``paces``: each replica's seconds per inner step
     (default: all equal), which sets its steps and so its tokens and weight in every round. ``schedule``
     instead gives the steps of every replica in every round (``schedule[round][replica]``), e.g. the steps
@@ -124,19 +128,36 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
     fragments = Fragments(layout.numel, run.fragments)  # a round averages one of them (all of it without fragments)
     params, momentum = layout.gather(trainers[0].params, layout.empty()), layout.empty()
     feedbacks = [ErrorFeedback(codec, layout.numel, enabled=run.error_feedback) for _ in range(replicas)]
-    result = SimulationResult(initial_loss=trainers[0].evaluate(eval_batches))
+    evaluator = InnerTrainer(copy.deepcopy(base), run, torch.device("cpu"))
+    landing: List[Optional[torch.Tensor]] = [None] * replicas  # overlap: each replica's shift when the average lands
+
+    def evaluate() -> float:
+        """G's held-out loss (with fragments or overlap a replica's theta is not G)."""
+        layout.scatter(params, evaluator.params)
+        return evaluator.evaluate(eval_batches)
+
+    def land(index: int, step: int = 0, count: int = 0) -> None:
+        """Overlap: the last round's average reaches replica ``index`` ``overlap`` of the way into this round."""
+        if landing[index] is not None and step >= overlap * count:
+            layout.add_into(landing[index], trainers[index].params)
+            landing[index] = None
+
+    result = SimulationResult(initial_loss=evaluate())
     tokens, sent, train_losses = 0, 0, []
     if warm_steps:
         tokens = warm_start(trainers, streams, run.batch_size, warm_steps)
         sent = replicas * warm_steps * get_codec("none").wire_bytes(layout.numel)  # each an fp32 gradient a step
         layout.gather(trainers[0].params, params)
-        result.record(trainers[0].evaluate(eval_batches), 0, tokens, sent / replicas)
+        result.record(evaluate(), 0, tokens, sent / replicas)
     for round_index in range(rounds):
         contributions, weights = [], []
         global_step = warm_steps + run.global_step(round_index)
         part = fragments.of(round_index)
-        for trainer, stream, feedback, count in zip(trainers, streams, feedbacks, schedule[round_index]):
-            stats = trainer.train(batches(stream, run.batch_size), count, global_step=global_step)
+        for index, (trainer, stream, feedback, count) in enumerate(zip(trainers, streams, feedbacks,
+                                                                       schedule[round_index])):
+            stats = trainer.train(batches(stream, run.batch_size), count, global_step=global_step,
+                                  on_step=lambda step, *_: land(index, step, count))
+            land(index)  # a round shorter than the sync: it lands at the round's end
             delta = layout.gather(trainer.params, layout.empty())
             torch.sub(params, delta, out=delta)
             delta = delta[part]
@@ -149,6 +170,7 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
             tokens += stats.tokens
             train_losses.append(stats.loss)
         averaged = roundtrip(codec, reduce(contributions, weights, run.clip_factor))  # the reducers' encoded reply
+        before, before_momentum = params[part].clone(), momentum[part].clone()
         nesterov_step(params[part], momentum[part], averaged, run.outer_lr_at(global_step),
                       run.outer_momentum_at(global_step))
         if run.align_every and (round_index // fragments.count + 1) % run.align_every == 0:
@@ -162,12 +184,20 @@ def simulate(run: RunConfig, replicas: int, rounds: int, eval_every: int = 1, se
                 whole = layout.gather(trainer.first_moments(), layout.empty())
                 whole[part] = aligned
                 trainer.load_first_moments([view for _, view in layout.slices(whole)])
-        for trainer in trainers:  # theta <- G in the fragment averaged; the rest keeps its local work
+        for index, trainer in enumerate(trainers):  # theta <- G in the fragment averaged; the rest keeps its work
             theta = layout.gather(trainer.params, layout.empty())
-            theta[part] = params[part]
+            if overlap:  # the next round starts from the eager step: this replica's own delta in place of the average
+                start, mine = before.clone(), before_momentum.clone()
+                nesterov_step(start, mine, before - theta[part], run.outer_lr_at(global_step),
+                              run.outer_momentum_at(global_step))
+                theta[part] = start
+                landing[index] = torch.zeros_like(theta)
+                landing[index][part] = params[part] - start
+            else:
+                theta[part] = params[part]
             layout.scatter(theta, trainer.params)
         if (round_index + 1) % eval_every == 0 or round_index + 1 == rounds:
-            result.record(trainers[0].evaluate(eval_batches), round_index + 1, tokens, sent / replicas)
+            result.record(evaluate(), round_index + 1, tokens, sent / replicas)
     result.train_loss = sum(train_losses[-replicas:]) / replicas
     return result
 
