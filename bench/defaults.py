@@ -3,13 +3,15 @@
     nice -n 10 python -m bench.defaults --model small --out bench/results/defaults.md --cache /tmp/defaults.json
 
 Every configuration trains M replicas in one process with ``bench/simulation.py`` (the peers' own inner loop,
-codecs, error feedback, token weighting, robust mean, outer step, alignment and fragments) on the same token
-budget, against synchronous data-parallel training of the same model on the same streams. What it cannot show,
-overlap (a real swarm's timing), is measured on real peers over emulated links in ``bench/results/wan.md``.
+codecs, error feedback, token weighting, robust mean, outer step, alignment, fragments and overlap) on the same
+token budget, against synchronous data-parallel training of the same model on the same streams. Overlap is modelled
+as the average landing ``--overlap-fraction`` of the way into the next round (the share of a round a sync took on
+real peers over the link in question: ``bench/results/wan.md``); what it buys, compute that does not wait for the
+link, is measured there.
 
-The configurations are RunConfig settings over the preset's: ``today`` (the defaults before issue 25: fp16, the
-first moment averaged every 4 rounds, whole rounds), ``new`` (RunConfig's defaults as they are now), and ``new``
-with one setting put back to today's value each.
+The configurations: ``today`` (the defaults before issue 25: fp16, the first moment averaged every 4 rounds, whole
+rounds, no overlap), ``new`` (the defaults as they are now, or ``--new``), and ``new`` with one setting put back to
+today's value each.
 """
 
 from __future__ import annotations
@@ -23,28 +25,28 @@ from typing import Dict, List
 import torch
 
 from bench.convergence import Runs, fmt_bytes
-from peer.config import RunConfig
+from peer.config import NodeConfig, RunConfig
 from peer.train.model import build_model, count_parameters
 
-TODAY = dict(compression="fp16", align_every=4, fragments=1)  # the defaults before this benchmark chose new ones
+TODAY = dict(compression="fp16", align_every=4, fragments=1, overlap=False)  # the defaults before issue 25
 
 
 def configurations(candidate: Dict[str, str]) -> Dict[str, dict]:
     """today, the new (RunConfig's defaults, or ``candidate``: settings to weigh before they become defaults), and
     the new with each setting that differs from today's put back alone."""
-    defaults = RunConfig()
-    new = {name: getattr(defaults, name) for name in TODAY}
-    new.update({k: type(TODAY[k])(v) for k, v in candidate.items()})
+    defaults = {**vars(RunConfig()), **vars(NodeConfig())}
+    new = {name: defaults[name] for name in TODAY}
+    new.update({k: v == "True" if isinstance(TODAY[k], bool) else type(TODAY[k])(v) for k, v in candidate.items()})
     return {"today": TODAY, "new": new,
             **{f"new, {name} {TODAY[name]}": dict(new, **{name: TODAY[name]}) for name in TODAY
                if TODAY[name] != new[name]}}
 
 
 def run_of(settings: dict, args, rounds: int) -> RunConfig:
-    inner = args.inner_steps
+    inner, run_settings = args.inner_steps, {k: v for k, v in settings.items() if k != "overlap"}
     return RunConfig(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                      warmup_steps=args.warmup_steps, eval_batches=args.eval_batches, inner_steps=inner,
-                     lr_decay_steps=rounds * inner // settings.get("fragments", 1), **settings)
+                     lr_decay_steps=rounds * inner // settings.get("fragments", 1), **run_settings)
 
 
 def rounds_of(settings: dict, args) -> int:
@@ -64,9 +66,10 @@ def measure(args, runs: Runs) -> List[dict]:
         rounds = rounds_of(settings, args)
         run = run_of(settings, args, rounds)
         seeds = args.seeds if name in ("today", "new") else args.seeds[:1]
+        overlap = args.overlap_fraction if settings["overlap"] else 0.0
         results = [runs._get(dict(kind="diloco", label=name, settings=run.to_settings(), replicas=args.replicas,
-                                  rounds=rounds, seed=seed, eval_every=rounds),
-                             lambda seed=seed: _simulate(run, args, rounds, seed)) for seed in seeds]
+                                  rounds=rounds, seed=seed, eval_every=rounds, overlap=overlap),
+                             lambda seed=seed: _simulate(run, args, rounds, seed, overlap)) for seed in seeds]
         reference = statistics.mean(b.eval_losses[-1] for b in baseline[: len(seeds)])
         loss = statistics.mean(r.eval_losses[-1] for r in results)
         rows.append(dict(name=name, settings=settings, rounds=rounds, losses=[r.eval_losses[-1] for r in results],
@@ -77,10 +80,10 @@ def measure(args, runs: Runs) -> List[dict]:
     return rows
 
 
-def _simulate(run: RunConfig, args, rounds: int, seed: int):
+def _simulate(run: RunConfig, args, rounds: int, seed: int, overlap: float):
     from bench.simulation import simulate
 
-    return simulate(run, args.replicas, rounds, rounds, seed)
+    return simulate(run, args.replicas, rounds, rounds, seed, overlap=overlap)
 
 
 def _data_parallel(run: RunConfig, args, steps: int, seed: int):
@@ -99,7 +102,8 @@ def report(rows: List[dict], args, argv: List[str]) -> str:
         f"{args.lr:g} with {args.warmup_steps} warm-up steps and a cosine to 10% over the run; the outer schedule is "
         f"RunConfig's (warm-up over {RunConfig().outer_warmup} outer steps, Nesterov lr 0.7, momentum 0.9). Held-out "
         f"eval: {args.eval_batches} batches. Seeds {', '.join(map(str, args.seeds))} for today and new, the first "
-        f"for the others.", "",
+        f"for the others. With overlap, the average lands {args.overlap_fraction:.0%} of the way into the next round.",
+        "",
         "| configuration | settings | rounds | eval loss per seed | mean | gap to data-parallel | bytes a replica "
         "sent | today's bytes / these |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -126,6 +130,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache", type=Path, help="keep finished runs here; a rerun resumes")
+    parser.add_argument("--overlap-fraction", type=float, default=0.45,
+                        help="with overlap, how far into the next round the average lands (measured: bench/results/"
+                             "wan.md, a sync's wall time over a round's)")
     parser.add_argument("--new", nargs="*", default=[], metavar="NAME=VALUE",
                         help=f"the new settings to weigh (of {', '.join(TODAY)}); default: RunConfig's defaults")
     parser.add_argument("--out", type=Path)
