@@ -5,9 +5,9 @@
 Every configuration trains M replicas in one process with ``bench/simulation.py`` (the peers' own inner loop,
 codecs, error feedback, token weighting, robust mean, outer step, alignment, fragments and overlap) on the same
 token budget, against synchronous data-parallel training of the same model on the same streams. Overlap is modelled
-as the average landing ``--overlap-fraction`` of the way into the next round (the share of a round a sync took on
-real peers over the link in question: ``bench/results/wan.md``); what it buys, compute that does not wait for the
-link, is measured there.
+as the average landing a fraction of the way into the next round (``--overlap-fractions F=FRACTION``: the share of
+a round a sync took on real peers with F fragments over the link in question, ``bench/results/wan.md``); what it
+buys, compute that does not wait for the link, is measured there.
 
 The configurations: ``today`` (the defaults before issue 25: fp16, the first moment averaged every 4 rounds, whole
 rounds, no overlap), ``new`` (the defaults as they are now, or ``--new``), and ``new`` with one setting put back to
@@ -66,7 +66,7 @@ def measure(args, runs: Runs) -> List[dict]:
         rounds = rounds_of(settings, args)
         run = run_of(settings, args, rounds)
         seeds = args.seeds if name in ("today", "new") else args.seeds[:1]
-        overlap = args.overlap_fraction if settings["overlap"] else 0.0
+        overlap = args.overlap_fractions[settings["fragments"]] if settings["overlap"] else 0.0
         results = [runs._get(dict(kind="diloco", label=name, settings=run.to_settings(), replicas=args.replicas,
                                   rounds=rounds, seed=seed, eval_every=rounds, overlap=overlap),
                              lambda seed=seed: _simulate(run, args, rounds, seed, overlap)) for seed in seeds]
@@ -102,7 +102,8 @@ def report(rows: List[dict], args, argv: List[str]) -> str:
         f"{args.lr:g} with {args.warmup_steps} warm-up steps and a cosine to 10% over the run; the outer schedule is "
         f"RunConfig's (warm-up over {RunConfig().outer_warmup} outer steps, Nesterov lr 0.7, momentum 0.9). Held-out "
         f"eval: {args.eval_batches} batches. Seeds {', '.join(map(str, args.seeds))} for today and new, the first "
-        f"for the others. With overlap, the average lands {args.overlap_fraction:.0%} of the way into the next round.",
+        f"for the others. With overlap, the average lands this far into the next round: "
+        f"{', '.join(f'F={f}: {x:.0%}' for f, x in args.overlap_fractions.items())}.",
         "",
         "| configuration | settings | rounds | eval loss per seed | mean | gap to data-parallel | bytes a replica "
         "sent | today's bytes / these |", "|---|---|---|---|---|---|---|---|"]
@@ -130,14 +131,15 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache", type=Path, help="keep finished runs here; a rerun resumes")
-    parser.add_argument("--overlap-fraction", type=float, default=0.45,
-                        help="with overlap, how far into the next round the average lands (measured: bench/results/"
-                             "wan.md, a sync's wall time over a round's)")
+    parser.add_argument("--overlap-fractions", nargs="*", default=["1=0.3", "4=0.45"], metavar="F=FRACTION",
+                        help="with overlap and F fragments, how far into the next round the average lands (measured: "
+                             "a sync's wall time over a round's, bench/results/wan.md at 20 Mbit/s)")
     parser.add_argument("--new", nargs="*", default=[], metavar="NAME=VALUE",
                         help=f"the new settings to weigh (of {', '.join(TODAY)}); default: RunConfig's defaults")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.new = dict(item.split("=", 1) for item in args.new)
+    args.overlap_fractions = {int(k): float(v) for k, v in (item.split("=") for item in args.overlap_fractions)}
     torch.set_num_threads(args.threads)
     rows = measure(args, Runs(args.cache))
     text = report(rows, args, argv)
