@@ -1,15 +1,24 @@
-"""Checkpoints are atomic: a corrupt file is named, a failed write keeps the previous checkpoint."""
+"""Checkpoints are atomic: a corrupt file is named, a failed write keeps the previous checkpoint; they are written on
+a thread of their own, so the inner steps never wait for the disk."""
 
 import errno
 import os
 import subprocess
+import threading
 
 import pytest
 import torch
 
 import peer.ops.checkpoint as checkpoint
 from dht.errors import UserError
-from peer.ops.checkpoint import CheckpointPayload, checkpoint_path, load_checkpoint, save_checkpoint
+from peer.ops.checkpoint import (
+    CheckpointPayload,
+    CheckpointWriter,
+    checkpoint_path,
+    frozen,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def test_round_trip(tmp_path):
@@ -54,12 +63,12 @@ def test_corrupt_checkpoint_is_a_one_line_error(tmp_path, damage):
         load_checkpoint(str(tmp_path))
 
 
+def no_space(_fd):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
 def test_full_disk_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caplog):
     save_checkpoint(str(tmp_path), dict(epoch=1))
-
-    def no_space(_fd):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
     monkeypatch.setattr(checkpoint.os, "fsync", no_space)
     assert not save_checkpoint(str(tmp_path), dict(epoch=2))
     assert "the disk is full; the previous checkpoint is kept" in caplog.text
@@ -88,3 +97,61 @@ def test_a_really_full_disk_keeps_the_previous_checkpoint(small_disk, caplog):
     saved = load_checkpoint(str(small_disk))
     assert saved["epoch"] == 1 and torch.equal(saved["params"], torch.ones(50_000))
     assert os.listdir(small_disk) == ["state.pt"]  # no temporary file left behind
+
+
+def test_inner_steps_go_on_while_a_slow_disk_writes_and_the_newest_snapshot_is_written_next(tmp_path):
+    """A disk stuck in the first write (an injected one, released by an event): the inner steps run meanwhile; of
+    two snapshots taken during that write, the newer replaces the older; close() returns once it is on disk, and
+    what is on disk is the snapshot as taken, not the model the steps after it changed."""
+    from peer.config import RunConfig
+    from peer.train.inner import InnerTrainer
+    from peer.train.model import build_model
+
+    writing, release, written = threading.Event(), threading.Event(), []
+
+    def stuck_disk(directory, saved, before_rename):
+        writing.set()
+        assert release.wait(60), "the test never released the disk"
+        written.append(saved.epoch)
+        return saved.save(directory, before_rename)
+
+    run = RunConfig(model="micro", seq_len=16, batch_size=2).resolved()
+    trainer = InnerTrainer(build_model("micro", 256, 16, seed=0), run, torch.device("cpu"))
+    batches = iter(lambda: torch.randint(0, 256, (2, 16)), None)
+    trainer.train(batches, 1, 0)  # AdamW has state to snapshot
+
+    def snapshot(epoch):
+        theta = torch.cat([p.detach().flatten() for p in trainer.params])
+        return payload(epoch=epoch, theta=theta, optimizer=frozen(trainer.optimizer.state_dict()))
+
+    writer = CheckpointWriter(str(tmp_path), save=stuck_disk)
+    writer.submit(snapshot(1))
+    assert writing.wait(60)  # the write is under way, and the disk does not answer
+    assert trainer.train(batches, 3, 0).steps == 3  # the inner steps do not wait for it
+    writer.submit(snapshot(2))  # waits in the slot ...
+    trainer.train(batches, 1, 0)
+    last = snapshot(3)
+    writer.submit(last)  # ... and is replaced by a newer one, never written
+    trainer.train(batches, 1, 0)  # the live model and AdamW state move on past the snapshot
+    assert writer.busy and written == [] and not writer.wait(timeout=0)
+    release.set()
+    writer.close()
+    assert written == [1, 3] and writer.written == 2
+    saved = CheckpointPayload.load(str(tmp_path))
+    assert saved.epoch == 3 and torch.equal(saved.theta, last.theta)
+    moments = [state["exp_avg"] for state in saved.optimizer["state"].values()]
+    assert all(torch.equal(a, b["exp_avg"]) for a, b in zip(moments, last.optimizer["state"].values()))
+    live = [trainer.optimizer.state[p]["exp_avg"] for p in trainer.params]
+    assert not all(torch.equal(a, b) for a, b in zip(moments, live))
+
+
+def test_a_full_disk_under_the_writer_keeps_the_previous_checkpoint(tmp_path, monkeypatch, caplog):
+    writer = CheckpointWriter(str(tmp_path))
+    writer.submit(payload(epoch=1))
+    assert writer.wait(60)
+    monkeypatch.setattr(checkpoint.os, "fsync", no_space)
+    writer.submit(payload(epoch=2))
+    writer.close()
+    monkeypatch.undo()
+    assert "the disk is full; the previous checkpoint is kept" in caplog.text
+    assert CheckpointPayload.load(str(tmp_path)).epoch == 1 and os.listdir(tmp_path) == ["state.pt"]

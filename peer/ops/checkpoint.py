@@ -1,9 +1,11 @@
-"""Atomic checkpoints: a crash or a full disk at any moment leaves the previous checkpoint intact.
+"""Atomic checkpoints, written off the training path: a crash or a full disk at any moment leaves the previous
+checkpoint intact, and an inner step never waits for the disk.
 
 A checkpoint is one ``torch.save`` file, written to a temporary name in the same directory, flushed
 and fsynced, then renamed over the old one (rename is atomic on POSIX), and the directory is fsynced
 so the rename itself survives a power cut. What a peer saves in it, and resumes from, is one
-``CheckpointPayload``.
+``CheckpointPayload``: a snapshot in memory (``frozen`` copies), taken between two inner steps, that a
+``CheckpointWriter`` thread writes while training goes on.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import glob
 import logging
 import os
 import pickle
+import threading
 import zipfile
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, Optional
@@ -25,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 FILENAME = "state.pt"
 FORMAT = 1
+WRITER_NICENESS = 10  # the checkpoint writer thread's, above the training threads' 0
 
 
 def checkpoint_path(directory: str) -> str:
@@ -137,3 +141,83 @@ class CheckpointPayload:
             raise UserError(f"checkpoint {checkpoint_path(directory)} is incomplete ({e}); move it away to start "
                             f"this peer fresh (it will download the swarm's state)") from None
 
+
+
+def frozen(value: Any) -> Any:
+    """``value`` with every tensor in it copied to the CPU (dicts, lists and tuples walked): a snapshot that the
+    training steps after it cannot change, such as AdamW's state dict, whose tensors the next step updates in place."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: frozen(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(frozen(v) for v in value)
+    return value
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a thread of its own, one at a time: ``submit`` hands it a snapshot and returns at once.
+
+    A snapshot submitted while another is being written waits in one slot; a newer one replaces it there (the
+    older is never written): never two writes at once, never a queue that grows. So the memory held is one
+    snapshot while a write runs, two when the next is due before the write ends (a disk slower than the checkpoint
+    interval). ``wait`` and ``close`` return once the last snapshot submitted is on disk (or failed: ``save_checkpoint``
+    logs why and keeps the previous checkpoint). ``save``: how a payload is written (tests inject a slow disk)."""
+
+    def __init__(self, directory: str, save: Optional[Callable[..., bool]] = None):
+        self.directory = directory
+        self._save = save or (lambda directory, payload, before_rename: payload.save(directory, before_rename))
+        self._changed = threading.Condition()
+        self._pending: Optional[tuple] = None  # (payload, before_rename), not started yet
+        self._writing = False
+        self._closed = False
+        self.written = 0  # snapshots written (or failed), for the tests
+        self._thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, payload: "CheckpointPayload", before_rename: Optional[Callable[[], None]] = None) -> None:
+        with self._changed:
+            if self._closed:
+                raise RuntimeError("the checkpoint writer is closed")
+            self._pending = (payload, before_rename)
+            self._changed.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        with self._changed:
+            return self._writing or self._pending is not None
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Until every snapshot submitted so far is written (or replaced); False if ``timeout`` passed first."""
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._writing and self._pending is None, timeout)
+
+    def close(self) -> None:
+        """Write the last snapshot submitted, then stop the thread."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:  # Linux: this thread alone yields the CPU to the training threads (a write may take longer, not a step)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return  # closed, and nothing left to write
+                (payload, before_rename), self._pending = self._pending, None
+                self._writing = True
+            try:
+                self._save(self.directory, payload, before_rename)
+            except Exception:  # anything save_checkpoint does not turn into its one-line error: a bug, said once
+                logger.exception(f"checkpoint not written to {checkpoint_path(self.directory)}")
+            finally:
+                del payload  # the snapshot's memory goes before the next one is taken from the slot
+                with self._changed:
+                    self._writing = False
+                    self.written += 1
+                    self._changed.notify_all()

@@ -25,7 +25,7 @@ from dht.manifest import MANIFEST_TTL, listed_name, publish_manifest
 from dht.node import visible_maddrs
 from peer.config import NodeConfig, SyncConfig
 from peer.hooks import CHECKPOINT, INNER, Hooks
-from peer.ops.checkpoint import CheckpointPayload
+from peer.ops.checkpoint import CheckpointPayload, CheckpointWriter, frozen
 from peer.round.build import Parts
 from peer.round.inflight import InFlight
 from peer.round.metrics import round_record
@@ -63,6 +63,8 @@ class Peer:
         # seconds from this process's start to its first inner step; with ``resumed_hash``, in the first record only
         self.startup_seconds: Optional[float] = None
         self.reported = False  # this process wrote its first round record
+        # started after the last fork of this process (the averager's, in build_parts): no thread runs across a fork
+        self.writer = CheckpointWriter(node.checkpoint_dir) if node.checkpoint_dir else None
         stop_on_signals(self.stop_requested, self.reporter)  # after the averager forked: hivemind ignores SIGINT
 
     def join(self) -> None:
@@ -271,31 +273,44 @@ class Peer:
         if not self.node.checkpoint_dir:
             return
         self.checkpointed_at = time.monotonic()
-        parts, state, progress = self.parts, self.state, self.progress
-        with parts.lock:  # G and m are saved as they are, not copied: nobody may change them meanwhile
-            payload = CheckpointPayload(
-                manifest_settings=dict(parts.manifest.settings), manifest_hash=parts.manifest.hash,
-                manifest_record=parts.manifest.to_record(), run_id=self.node.run_id, peer_id=parts.peer_id,
-                params=state.params, momentum=state.momentum, epoch=state.epoch, tokens_total=state.tokens_total,
-                merged=dict(state.merged), theta=parts.layout.gather(parts.trainer.params, parts.layout.empty()),
-                optimizer=parts.trainer.optimizer.state_dict(), local_steps=parts.trainer.local_steps,
-                data_position=parts.stream.position, pending_tokens=progress.pending_tokens + round_tokens,
-                round_steps=round_steps, pending_rounds=progress.pending_rounds, rounds=progress.rounds,
-                last_loss=progress.last_loss, residual=parts.feedback.residual, carried=parts.lineage.carried,
-                recovered_tokens=parts.lineage.recovered_tokens,
-            )
-            epoch = state.epoch
-            payload.save(self.node.checkpoint_dir,
-                         before_rename=None if round_steps else (lambda: self.hooks.at(CHECKPOINT, epoch)))
+        payload = snapshot(self.parts, self.node.run_id, round_tokens, round_steps)
+        epoch = payload.epoch
+        self.writer.submit(payload, before_rename=None if round_steps else (lambda: self.hooks.at(CHECKPOINT, epoch)))
 
     def close(self) -> None:
-        """Checkpoint and tell the swarm we left; then ``Parts.close`` stops our processes. Safe on any path."""
-        self._checkpoint()
+        """Checkpoint (and wait for the write), tell the swarm we left; then ``Parts.close`` stops our processes.
+        Safe on any path."""
+        try:
+            self._checkpoint()
+        finally:
+            if self.writer is not None:
+                self.writer.close()
         self.parts.transport.stop()
         try:
             self._publish(status="left")
         except Exception as e:  # the p2p daemon may already be gone (Ctrl+C reaches it too)
             logger.debug(f"could not publish our departure: {e!r}")
+
+
+def snapshot(parts: Parts, run_id: str, round_tokens: int = 0, round_steps: int = 0) -> CheckpointPayload:
+    """Everything a restart resumes from, copied in memory (``frozen``) under the lock, between two inner steps: the
+    steps after it and a peer's download (which reads G and m under the lock too) change nothing in it, and the
+    checkpoint writer's thread puts it on disk while training goes on. Costs one copy of the state (docs/design.md,
+    "Checkpoints")."""
+    state, progress = parts.state, parts.progress
+    with parts.lock:
+        return CheckpointPayload(
+            manifest_settings=dict(parts.manifest.settings), manifest_hash=parts.manifest.hash,
+            manifest_record=parts.manifest.to_record(), run_id=run_id, peer_id=parts.peer_id,
+            params=frozen(state.params), momentum=frozen(state.momentum), epoch=state.epoch,
+            tokens_total=state.tokens_total, merged=dict(state.merged),
+            theta=parts.layout.gather(parts.trainer.params, parts.layout.empty()),
+            optimizer=frozen(parts.trainer.optimizer.state_dict()), local_steps=parts.trainer.local_steps,
+            data_position=parts.stream.position, pending_tokens=progress.pending_tokens + round_tokens,
+            round_steps=round_steps, pending_rounds=progress.pending_rounds, rounds=progress.rounds,
+            last_loss=progress.last_loss, residual=frozen(parts.feedback.residual),
+            carried=frozen(parts.lineage.carried), recovered_tokens=parts.lineage.recovered_tokens,
+        )
 
 
 def process_age() -> Optional[float]:
