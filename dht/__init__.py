@@ -12,6 +12,32 @@
 - ``__main__.py``   ``python -m dht``: a bootstrap node that does not train
 """
 
+import importlib
+import sys
+import types
+
 from dht.platform import require_supported
 
+
+def _import_at_first_use(name: str) -> None:
+    """Stand in for module ``name`` until one of its names is read: then import it for real (PEP 562's module
+    ``__getattr__``). ``import name`` elsewhere gets the stand-in and costs nothing."""
+    if name in sys.modules:
+        return
+
+    def __getattr__(attribute: str):
+        if attribute.startswith("__"):  # inspect and the import system probe modules' dunders: not a use
+            raise AttributeError(attribute)
+        if sys.modules.get(name) is stand_in:
+            del sys.modules[name]
+        return getattr(importlib.import_module(name), attribute)
+
+    stand_in = types.ModuleType(name, f"{name}, imported at the first use of one of its names")
+    stand_in.__getattr__ = __getattr__
+    sys.modules[name] = stand_in
+
+
 require_supported()
+# hivemind imports scipy.optimize (0.4 s of CPU here, of a restart's 3 s: docs/design.md, "Startup") for a
+# load-balancing LP that runs only when peers announce their bandwidths, which ours never do
+_import_at_first_use("scipy.optimize")
