@@ -101,14 +101,23 @@ def _spawn_daemon_detached() -> None:
 
 class SwarmDHT(hivemind.DHT):
     """hivemind.DHT whose background process, and its p2p daemon, die with the process that started it.
-    ``daemon_flags``: p2pd flags that hivemind does not expose."""
+    ``daemon_flags``: p2pd flags that hivemind does not expose. ``identity_check``: (identity path, initial
+    peers): first ask the swarm whether a live peer uses that identity (``identity_taken``), in the DHT's own
+    process, so that the process that started it goes on meanwhile (a peer builds its model)."""
 
-    def __init__(self, *args, daemon_flags: Optional[dict] = None, **kwargs):
-        self.daemon_flags = daemon_flags or {}
+    def __init__(self, *args, daemon_flags: Optional[dict] = None, identity_check: Optional[tuple] = None, **kwargs):
+        self.daemon_flags, self.identity_check = daemon_flags or {}, identity_check
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
         init_child_process()
+        if self.identity_check is not None:
+            try:
+                if asyncio.run(identity_taken(*self.identity_check)):
+                    raise P2PDaemonError("already taken by another peer")
+            except Exception as e:  # the starting process raises it from wait_until_ready (``dht_ready``)
+                self._ready.set_exception(e)
+                return
         _spawn_daemon_detached()
         internals.add_daemon_flags(**self.daemon_flags)
         # go-libp2p dials from its listening port (SO_REUSEPORT) unless told not to. Two peers that dial each
@@ -162,16 +171,15 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
         validators.insert(0, signer())
     initial_peers = [str(m) for m in parse_maddrs(config.initial_peers, flag="--initial-peers", need_peer_id=True)]
     _check_identity_dir(config)
+    check = check_identity and initial_peers and config.identity_path and os.path.exists(config.identity_path)
     try:
-        if check_identity and initial_peers and config.identity_path and os.path.exists(config.identity_path):
-            if asyncio.run(identity_taken(config.identity_path, initial_peers)):
-                raise P2PDaemonError("already taken by another peer")
         dht = SwarmDHT(
             initial_peers=initial_peers,
             host_maddrs=list(config.host_maddrs),
             announce_maddrs=list(config.announce_maddrs) or None,
             identity_path=config.identity_path,
-            check_if_identity_free=False,  # checked above
+            check_if_identity_free=False,  # ours, below: hivemind's asks once, too early (identity_taken)
+            identity_check=(config.identity_path, initial_peers) if check else None,
             client_mode=config.client_mode,
             record_validators=validators,
             startup_timeout=config.startup_timeout,
