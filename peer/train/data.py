@@ -59,9 +59,11 @@ class TokenCorpus:
 
     def __init__(self, files: Sequence[str], tokenizer, seq_len: int, eval_fraction: float):
         train, held_out = [], []
+        # held in the smallest integer type of the vocabulary (bytes: 1 byte a token, not 8); batches are int64
+        dtype = next(t for t in (np.uint8, np.uint16, np.int64) if tokenizer.vocab_size <= np.iinfo(t).max + 1)
         for path in files:
             with open(path, encoding="utf-8", errors="replace") as f:
-                tokens = tokenizer.encode(f.read() + "\n\n")
+                tokens = tokenizer.encode(f.read() + "\n\n").astype(dtype)
             cut = len(tokens) - int(len(tokens) * eval_fraction)
             train.append(tokens[:cut])
             held_out.append(tokens[cut:])
@@ -79,7 +81,7 @@ class TokenCorpus:
         """The first held-out windows, in order: identical on every peer."""
         windows = len(self.held_out) // self.seq_len
         count = min(windows, num_batches * batch_size)
-        data = torch.from_numpy(self.held_out[: count * self.seq_len].reshape(count, self.seq_len))
+        data = torch.from_numpy(self.held_out[: count * self.seq_len].reshape(count, self.seq_len).astype(np.int64))
         return [data[i : i + batch_size] for i in range(0, count, batch_size)]
 
 
@@ -102,7 +104,7 @@ class WindowStream:
     def next_batch(self, batch_size: int) -> torch.Tensor:
         rows = [self._window(self.position + i) for i in range(batch_size)]
         self.position += batch_size
-        return torch.from_numpy(np.stack(rows))
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
 class HFStream:
