@@ -215,12 +215,16 @@ class NodeConfig:
                              "dashboard")
 
 
+MIN_UPLINK_MBIT = 10.0  # the thinnest uplink of a home volunteer the deadlines are made for
+
+
 @dataclass(frozen=True)
 class SyncConfig:
     """Deadlines of the sync phase; every network wait has one."""
 
     allreduce_timeout: float = opt(60.0, "most seconds an all-reduce may take once its group is formed; the "
-                                         "deadline follows measured all-reduce times below this")
+                                         "deadline follows measured all-reduce times below this (raised to 3 times "
+                                         "a round's sends at 10 Mbit/s where that is longer)")
     deadline_factor: float = opt(3.0, "all-reduce deadline = this x the median of recent all-reduce times")
     deadline_floor: float = opt(5.0, "shortest all-reduce deadline, however fast recent all-reduces were")
     part_timeout: float = opt(15.0, "most seconds to wait for the next part from a groupmate before dropping it")
@@ -232,6 +236,13 @@ class SyncConfig:
         require_positive(self, "allreduce_timeout", "part_timeout", "request_timeout", "deadline_factor",
                          "deadline_floor")
         require_non_negative(self, "sync_timeout", "retries")
+
+    def allreduce_ceiling(self, payload_bytes: float) -> float:
+        """--allreduce-timeout, or three times what a round's sends (``payload_bytes``) take at the thinnest home
+        uplink the defaults are made for (``MIN_UPLINK_MBIT``), whichever is longer: a large model must finish its
+        first all-reduce, before any is measured (``1b`` in 4 fragments at int4-huffman sends about 150 MB a round,
+        a minute at 20 Mbit/s)."""
+        return max(self.allreduce_timeout, 3 * payload_bytes * 8 / (MIN_UPLINK_MBIT * 1e6))
 
     def round_budget(self, grace_seconds: float, allreduce_timeout: float) -> float:
         """The longest a round's sync may block this peer: matchmaking plus all-reduce, per attempt."""

@@ -113,3 +113,10 @@ def test_help_lists_the_subcommands(capsys):
     assert set(COMMANDS) == {"status", "plot", "export", "generate"}
     assert "Commands: status, plot, export, generate (python -m peer COMMAND --help)" in out
     assert "--config CONFIG" in out
+
+
+def test_the_allreduce_ceiling_leaves_a_large_model_on_a_thin_uplink_time_for_its_first_round():
+    sync = SyncConfig()
+    assert sync.allreduce_ceiling(2e6) == 60.0  # a small model: the flag's ceiling
+    assert sync.allreduce_ceiling(300e6) == pytest.approx(720.0)  # 300 MB three times over at 10 Mbit/s
+    assert SyncConfig(allreduce_timeout=900.0).allreduce_ceiling(300e6) == 900.0

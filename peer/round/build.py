@@ -206,12 +206,14 @@ def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, reach: Reach,
 
     # a round averages one fragment of the flat vector (the whole of it without --fragments)
     size = Fragments(layout.numel, run.fragments).size
+    # what a member sends in a round's all-reduce, at most: 2 (n - 1) / n of the payload, and the first moment too
+    ceiling = sync.allreduce_ceiling(2 * (1 + bool(run.align_every)) * codec.wire_bytes(size))
     delta = torch.zeros(size).share_memory_()
     moment = torch.zeros(size).share_memory_() if run.align_every else None
     averager = SwarmAverager(
         delta, moment, dht, prefix=f"{namespace}_{manifest.hash}", codec=codec, state_provider=share_state,
         quorum=run.quorum, grace_seconds=run.grace_seconds, request_timeout=sync.request_timeout,
-        allreduce_timeout=sync.allreduce_timeout, part_timeout=sync.part_timeout, client_mode=net.client_mode,
+        allreduce_timeout=ceiling, part_timeout=sync.part_timeout, client_mode=net.client_mode,
         hooks=hooks, clip_factor=run.clip_factor, ban_after=run.ban_after, state_size=layout.numel,
     )
     averager.run_in_background(await_ready=True)
@@ -225,7 +227,7 @@ def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, reach: Reach,
                       recovered_tokens=payload.recovered_tokens if payload is not None else 0,
                       # unmerged work, trained on G at this epoch: our group may have merged it since
                       resumed_epoch=state.epoch if progress.pending_tokens else None)
-    deadlines = Deadlines(ceiling=sync.allreduce_timeout, floor=sync.deadline_floor, factor=sync.deadline_factor,
+    deadlines = Deadlines(ceiling=ceiling, floor=sync.deadline_floor, factor=sync.deadline_factor,
                           part_ceiling=sync.part_timeout)
     catchup = StateCatchUp(transport=transport, clock=clock, cache=cache, announcer=announcer, state=state,
                            local=local, layout=layout, lineage=lineage, feedback=feedback, lock=lock,
