@@ -66,3 +66,16 @@ def test_a_sync_that_took_no_outer_step_takes_the_eager_step_back_out():
     local.shift(torch.tensor([100.0, 100.0, 100.0, 100.0]))  # caught up: a rebase onto a state 100 away
     local.thaw()
     assert torch.equal(flat(params), torch.tensor([100.5, 101.5, 102.5, 103.5]))  # theta_e + shift + work
+
+
+def test_a_checkpoint_between_a_syncs_end_and_thaw_saves_theta_as_thaw_leaves_it():
+    local, params = make([1.0, 2.0, 3.0, 4.0])
+    local.freeze(with_moments=False)
+    local.start(torch.tensor([20.0, 20.0, 20.0, 20.0]))  # the eager step
+    with torch.no_grad():
+        for p in params:
+            p.sub_(0.5)
+    settled = local.settled(torch.empty(4))  # the sync took no outer step: the eager step comes back out
+    local.thaw()
+    assert torch.equal(settled, flat(params)) and torch.equal(settled, torch.tensor([0.5, 1.5, 2.5, 3.5]))
+

@@ -97,12 +97,14 @@ def test_a_resume_that_the_flags_or_the_swarm_refuse_is_one_line_and_keeps_the_c
         assert (checkpoint / "state.pt").read_bytes() == saved
 
 
-def test_a_peer_killed_mid_round_resumes_the_round_and_its_tokens_count(swarm, tmp_path):
+@pytest.mark.parametrize("overlap", ["--no-overlap", "--overlap"])
+def test_a_peer_killed_mid_round_resumes_the_round_and_its_tokens_count(swarm, tmp_path, overlap):
     """With --checkpoint-every, a peer SIGKILLed mid-round loses at most that much work: the restart resumes the
-    partial round (theta, AdamW state, data position) and its next outer step counts that round's tokens too."""
+    partial round (theta, AdamW state, data position) and its next outer step counts that round's tokens too. With
+    --overlap the checkpoint comes once the last round's sync has ended: what it merged is not pending any more."""
     checkpoint = tmp_path / "ckpt"
     flags = ("--checkpoint-dir", str(checkpoint), "--checkpoint-every", "1", "--inner-steps", "20",
-             "--min-step-seconds", "0.2")  # rounds of 4 s, checkpointed about every second
+             "--min-step-seconds", "0.2", overlap)  # rounds of 4 s, checkpointed about every second
 
     def early_in_a_round():
         try:

@@ -121,7 +121,9 @@ class Peer:
             elapsed, tokens = time.monotonic() - round_start, step * run.batch_size * run.seq_len
             self.reporter.step(step, loss, tokens / max(elapsed, 1e-9))
             clock.watch()
-            if self.inflight is None and self._checkpoint_due():  # the round so far, should this process die
+            # the round so far, should this process die; with overlap once the sync in flight has ended (a sync that
+            # runs changes the state under the round)
+            if not (self.inflight is not None and self.inflight.running()) and self._checkpoint_due():
                 self._checkpoint(round_tokens=tokens, round_steps=step)
             if step == max(1, min(steps, run.round_steps) // 2):
                 self.hooks.at(INNER, epoch_at_start)
@@ -261,10 +263,9 @@ class Peer:
             self.progress.pending_tokens = self.progress.pending_rounds = 0
 
     def _checkpoint_due(self) -> bool:
-        """Mid-round checkpoints: not with overlap (the sync in flight changes the state under the round), nor
-        on an island (rank 0 would save its ranks' tokens without them)."""
+        """Mid-round checkpoints: not on an island (rank 0 would save its ranks' tokens without them)."""
         every = self.node.checkpoint_every
-        return bool(self.node.checkpoint_dir and every and not self.node.overlap and self.island is None
+        return bool(self.node.checkpoint_dir and every and self.island is None
                     and time.monotonic() - self.checkpointed_at >= every)
 
     def _checkpoint(self, round_tokens: int = 0, round_steps: int = 0) -> None:
@@ -273,7 +274,12 @@ class Peer:
         if not self.node.checkpoint_dir:
             return
         self.checkpointed_at = time.monotonic()
-        payload = snapshot(self.parts, self.node.run_id, round_tokens, round_steps)
+        # with overlap, mid-round: the sync of the last round ended and is not joined yet (``_finish``); what it
+        # merged is not pending work any more
+        job = self.inflight if round_steps else None
+        merged = job is not None and job.error is None and job.result is not None and job.result.applied
+        payload = snapshot(self.parts, self.node.run_id, round_tokens, round_steps,
+                           merged=(job.tokens, job.rounds) if merged else (0, 0))
         epoch = payload.epoch
         self.writer.submit(payload, before_rename=None if round_steps else (lambda: self.hooks.at(CHECKPOINT, epoch)))
 
@@ -292,11 +298,13 @@ class Peer:
             logger.debug(f"could not publish our departure: {e!r}")
 
 
-def snapshot(parts: Parts, run_id: str, round_tokens: int = 0, round_steps: int = 0) -> CheckpointPayload:
+def snapshot(parts: Parts, run_id: str, round_tokens: int = 0, round_steps: int = 0,
+             merged: Tuple[int, int] = (0, 0)) -> CheckpointPayload:
     """Everything a restart resumes from, copied in memory (``frozen``) under the lock, between two inner steps: the
     steps after it and a peer's download (which reads G and m under the lock too) change nothing in it, and the
     checkpoint writer's thread puts it on disk while training goes on. Costs one copy of the state (docs/design.md,
-    "Checkpoints")."""
+    "Checkpoints"). ``merged``: (tokens, rounds) of pending work that a sync ended but not yet joined merged. With
+    overlap, theta is saved as the sync's end leaves it (``LocalModel.settled``): less the eager step if it took none."""
     state, progress = parts.state, parts.progress
     with parts.lock:
         return CheckpointPayload(
@@ -304,10 +312,10 @@ def snapshot(parts: Parts, run_id: str, round_tokens: int = 0, round_steps: int 
             manifest_record=parts.manifest.to_record(), run_id=run_id, peer_id=parts.peer_id,
             params=frozen(state.params), momentum=frozen(state.momentum), epoch=state.epoch,
             tokens_total=state.tokens_total, merged=dict(state.merged),
-            theta=parts.layout.gather(parts.trainer.params, parts.layout.empty()),
+            theta=parts.local.settled(parts.layout.empty()),
             optimizer=frozen(parts.trainer.optimizer.state_dict()), local_steps=parts.trainer.local_steps,
-            data_position=parts.stream.position, pending_tokens=progress.pending_tokens + round_tokens,
-            round_steps=round_steps, pending_rounds=progress.pending_rounds, rounds=progress.rounds,
+            data_position=parts.stream.position, pending_tokens=progress.pending_tokens - merged[0] + round_tokens,
+            round_steps=round_steps, pending_rounds=progress.pending_rounds - merged[1], rounds=progress.rounds,
             last_loss=progress.last_loss, residual=frozen(parts.feedback.residual),
             carried=frozen(parts.lineage.carried), recovered_tokens=parts.lineage.recovered_tokens,
         )

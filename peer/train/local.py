@@ -59,6 +59,14 @@ class LocalModel:
             self._add_live(self.frozen - self.base)
         self.frozen = self.frozen_moments = self.base = None
 
+    def settled(self, out: torch.Tensor) -> torch.Tensor:
+        """The live parameters as ``thaw`` would leave them now: less the eager step if the sync took no outer step
+        (a checkpoint between its end and ``thaw``)."""
+        self.layout.gather(self.trainer.params, out)
+        if self.frozen is not None:
+            out.add_(self.frozen - self.base)
+        return out
+
     def gather(self, out: torch.Tensor) -> torch.Tensor:
         if self.frozen is None:
             return self.layout.gather(self.trainer.params, out)
