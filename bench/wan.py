@@ -111,7 +111,9 @@ def peer_flags(args, preset: str, system: str) -> List[str]:
 
 def system_flags(args, system: str) -> List[str]:
     """The flags that make a system of the peers what it is."""
-    return ["--overlap"] if system == "overlap" else shlex.split(args.variants.get(system, ""))
+    if system in ("diloco", "overlap"):
+        return ["--overlap" if system == "overlap" else "--no-overlap"]
+    return shlex.split(args.variants.get(system, ""))
 
 
 def fragments_of(args, system: str) -> int:

@@ -92,7 +92,7 @@ def test_a_run_from_a_bundled_file_with_one_flag_overridden_pins_the_override_an
         status = subprocess.run([sys.executable, "-m", "peer", "status", "--initial-peers", swarm.maddr, "--json"],
                                 cwd=ROOT, capture_output=True, text=True, timeout=120)
         settings = json.loads(status.stdout)["manifest"]["settings"]
-        assert (settings["model"], settings["inner_steps"], settings["compression"]) == ("tiny", 7, "fp16")
+        assert (settings["model"], settings["inner_steps"], settings["compression"]) == ("tiny", 7, "int4-huffman")
         joiner = write(tmp_path, "[run]\ninner_steps = 9\n")
         result = subprocess.run(peer_command("--config", joiner, "--initial-peers", swarm.maddr, "--host-maddrs",
                                              "/ip4/127.0.0.1/tcp/0", *FAST_NODE),

@@ -23,11 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 MADDR = re.compile(r"/ip4/\S+/p2p/\S+")
 
 # small and fast: a round is 5 steps of 4x64 tokens on the micro model, each padded to 0.2 s: rounds of ~1 s
-# that leave the CPU to the other processes of a test (peers, their DHTs and p2p daemons)
+# that leave the CPU to the other processes of a test (peers, their DHTs and p2p daemons). The test swarms pin the
+# wire settings they were written against (fp16, the first moment every 4 rounds, whole rounds, syncs between
+# rounds), which their byte and timing bounds assume; the defaults (int4-huffman, no alignment, overlap) are run by
+# tests of their own (tests/test_fragments.py, tests/test_status.py)
 FAST_RUN = ("--model", "micro", "--batch-size", "4", "--seq-len", "64", "--inner-steps", "5", "--grace-seconds", "2",
             "--min-step-seconds", "0.2",
-            "--eval-every", "2", "--eval-batches", "2", "--lr", "0.003", "--warmup-steps", "5")
-FAST_NODE = ("--quiet", "--threads", "1",
+            "--eval-every", "2", "--eval-batches", "2", "--lr", "0.003", "--warmup-steps", "5",
+            "--compression", "fp16", "--align-every", "4")
+FAST_NODE = ("--quiet", "--threads", "1", "--no-overlap",
              "--allreduce-timeout", "10", "--part-timeout", "3", "--request-timeout", "1")
 
 
