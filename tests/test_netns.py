@@ -313,6 +313,7 @@ def test_two_homes_behind_nat_train_as_full_members_through_a_relay_that_resets_
     after 128 KiB each way or 2 minutes (dht/reach.py). The rounds and the download below carry several times
     that per connection: rounds whose attempt a reset cuts retry on a fresh circuit, and the download comes in
     64 KiB slices."""
+    from peer.round.catchup import REPLAY_ROUNDS
     from tests.harness.swarm import Swarm, assert_all_leave, assert_groups_agree, by_epoch, wait_until
 
     def together(peers):
@@ -327,6 +328,9 @@ def test_two_homes_behind_nat_train_as_full_members_through_a_relay_that_resets_
         try:
             homes = [swarm.peer(f"home{i}", *relayed, namespace=i) for i in range(2)]
             wait_until(lambda: len(together(homes)) >= 3, 180, "3 rounds with both homes in one group")
+            # a joiner up to REPLAY_ROUNDS behind replays the rounds instead (peer/round/catchup.py): this one must
+            # download the state
+            wait_until(lambda: max(by_epoch(homes), default=0) > REPLAY_ROUNDS, 180, "the homes past the replays")
             late = swarm.peer("late", *relayed, namespace=2, new_run=False)
             everyone = homes + [late]
             wait_until(lambda: len(together(everyone)) >= 2, 180, "2 rounds with all 3 homes in one group")
