@@ -20,7 +20,7 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -31,15 +31,15 @@ from peer.train.model import build_model, count_parameters
 TODAY = dict(compression="fp16", align_every=4, fragments=1, overlap=False)  # the defaults before issue 25
 
 
-def configurations(candidate: Dict[str, str]) -> Dict[str, dict]:
+def configurations(candidate: Dict[str, str], ablations: Optional[List[str]] = None) -> Dict[str, dict]:
     """today, the new (RunConfig's defaults, or ``candidate``: settings to weigh before they become defaults), and
-    the new with each setting that differs from today's put back alone."""
+    the new with each setting that differs from today's (or each of ``ablations``) put back alone."""
     defaults = {**vars(RunConfig()), **vars(NodeConfig())}
     new = {name: defaults[name] for name in TODAY}
     new.update({k: v == "True" if isinstance(TODAY[k], bool) else type(TODAY[k])(v) for k, v in candidate.items()})
     return {"today": TODAY, "new": new,
             **{f"new, {name} {TODAY[name]}": dict(new, **{name: TODAY[name]}) for name in TODAY
-               if TODAY[name] != new[name]}}
+               if TODAY[name] != new[name] and (ablations is None or name in ablations)}}
 
 
 def run_of(settings: dict, args, rounds: int) -> RunConfig:
@@ -62,7 +62,7 @@ def measure(args, runs: Runs) -> List[dict]:
     baseline = [runs._get(dict(kind="data-parallel", settings=base.to_settings(), replicas=args.replicas, steps=steps,
                                seed=seed, eval_every=steps),
                           lambda seed=seed: _data_parallel(base, args, steps, seed)) for seed in args.seeds]
-    for name, settings in configurations(args.new).items():
+    for name, settings in configurations(args.new, args.ablations).items():
         rounds = rounds_of(settings, args)
         run = run_of(settings, args, rounds)
         seeds = args.seeds if name in ("today", "new") else args.seeds[:1]
@@ -136,6 +136,8 @@ def main(argv=None) -> int:
                              "a sync's wall time over a round's, bench/results/wan.md at 20 Mbit/s)")
     parser.add_argument("--new", nargs="*", default=[], metavar="NAME=VALUE",
                         help=f"the new settings to weigh (of {', '.join(TODAY)}); default: RunConfig's defaults")
+    parser.add_argument("--ablations", nargs="*", choices=list(TODAY), metavar="NAME",
+                        help=f"put back only these settings alone (of {', '.join(TODAY)}); default: each that differs")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     args.new = dict(item.split("=", 1) for item in args.new)
