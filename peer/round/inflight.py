@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from peer.round.sync import SyncResult
 
@@ -36,6 +36,11 @@ class InFlight:
 
     def running(self) -> bool:
         return not self.done.is_set()
+
+    def merged(self) -> Tuple[int, int]:
+        """(tokens, rounds) of pending work this sync merged: none while it runs, if it failed, or if not applied."""
+        applied = self.done.is_set() and self.error is None and self.result is not None and self.result.applied
+        return (self.tokens, self.rounds) if applied else (0, 0)
 
     def wait(self) -> SyncResult:
         self.done.wait()

@@ -276,10 +276,8 @@ class Peer:
         self.checkpointed_at = time.monotonic()
         # with overlap, mid-round: the sync of the last round ended and is not joined yet (``_finish``); what it
         # merged is not pending work any more
-        job = self.inflight if round_steps else None
-        merged = job is not None and job.error is None and job.result is not None and job.result.applied
-        payload = snapshot(self.parts, self.node.run_id, round_tokens, round_steps,
-                           merged=(job.tokens, job.rounds) if merged else (0, 0))
+        merged = self.inflight.merged() if round_steps and self.inflight is not None else (0, 0)
+        payload = snapshot(self.parts, self.node.run_id, round_tokens, round_steps, merged=merged)
         epoch = payload.epoch
         self.writer.submit(payload, before_rename=None if round_steps else (lambda: self.hooks.at(CHECKPOINT, epoch)))
 
@@ -304,7 +302,8 @@ def snapshot(parts: Parts, run_id: str, round_tokens: int = 0, round_steps: int 
     steps after it and a peer's download (which reads G and m under the lock too) change nothing in it, and the
     checkpoint writer's thread puts it on disk while training goes on. Costs one copy of the state (docs/design.md,
     "Checkpoints"). ``merged``: (tokens, rounds) of pending work that a sync ended but not yet joined merged. With
-    overlap, theta is saved as the sync's end leaves it (``LocalModel.settled``): less the eager step if it took none."""
+    overlap, theta is saved as the sync's end leaves it (``LocalModel.settled``): less the eager step if it took
+    none."""
     state, progress = parts.state, parts.progress
     with parts.lock:
         return CheckpointPayload(
