@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from diloco_compression.feedback import ErrorFeedback
@@ -109,12 +109,21 @@ class StateCatchUp:
         rounds = best.epoch - self.state.epoch
         if not 0 < rounds <= REPLAY_ROUNDS:
             return None
+        why = self._replay_rounds(best, rounds, timeout, attempted_epoch)
+        if isinstance(why, str):
+            logger.info(f"could not replay the {rounds} round(s) to epoch {best.epoch}: {why}")
+            return None
+        return why
+
+    def _replay_rounds(self, best: PeerRecord, rounds: int, timeout: float,
+                       attempted_epoch: Optional[int]) -> Union[Rebase, str]:
+        """``_replay``'s work: the rebase, or why not."""
         now = self.clock.dht_time()
         ahead = sorted((r for r in self.cache.records.values() if r.epoch > self.state.epoch and not r.client_mode
                         and responsive(r, now)), key=lambda r: (r.state_hash != best.state_hash, -r.epoch))
         donors = [r.peer_id for r in ahead]
         if not donors:
-            return None
+            return "no responsive peer is past our epoch"
         deadline = self.clock.monotonic() + timeout
         params, momentum = self.state.params.clone(), self.state.momentum.clone()
         epoch, tokens_total, merged = self.state.epoch, self.state.tokens_total, dict(self.state.merged)
@@ -123,12 +132,12 @@ class StateCatchUp:
                                              timeout=max(deadline - self.clock.monotonic(), 0.1),
                                              part_timeout=self.deadlines.part())
             if averaged is None:
-                return None
+                return f"none of {len(donors)} peer(s) served round {epoch}'s result"
             part = self.fragments.of(epoch)
             with self.transport.buffers() as tensors:
                 average = tensors[0][: part.stop - part.start].clone()
             if not torch.isfinite(average).all():
-                return None
+                return f"round {epoch}'s result is not finite"
             step = self.run.global_step(epoch)
             nesterov_step(params[part], momentum[part], average, self.run.outer_lr_at(step),
                           self.run.outer_momentum_at(step))
@@ -136,9 +145,10 @@ class StateCatchUp:
             epoch, tokens_total = epoch + 1, tokens_total + averaged.group_tokens()
         kind = self.adopt(dict(epoch=epoch, tokens_total=tokens_total, merged=merged, hash=best.state_hash),
                           [params, momentum], attempted_epoch)
-        if kind is not None:
-            logger.info(f"adopted epoch {self.state.epoch} ({self.state.hash()[:8]}) by replaying {rounds} round(s) "
-                        f"from {len(donors)} peer(s)")
+        if kind is None:
+            return "the replayed state fails the swarm's hash (it is on another lineage)"
+        logger.info(f"adopted epoch {self.state.epoch} ({self.state.hash()[:8]}) by replaying {rounds} round(s) "
+                    f"from {len(donors)} peer(s)")
         return kind
 
     def adopt(self, metadata: dict, tensors: List[torch.Tensor],

@@ -8,6 +8,7 @@ in-process fake (``tests/harness/fake.py``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, ContextManager, Dict, List, Optional, Protocol, Sequence, Tuple, Union
@@ -21,6 +22,8 @@ from peer.averaging.averager import CROSS, GROUP, SwarmAverager
 from peer.averaging.results import GROUP_ONLY, MINORITY, NO_MAJORITY, READY
 from peer.swarm.failures import DelegateLost, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.metadata import Averaged, Contribution, Delegation
+
+logger = logging.getLogger(__name__)
 
 Downloaded = Tuple[List[str], Dict, List[torch.Tensor]]  # (donors used, metadata, [G, m])
 CROSS_WINDOW = 2  # the cross-group phase's matchmaking window, in grace windows
@@ -152,6 +155,7 @@ class SwarmTransport:
             started = time.monotonic()
             info = self.averager.download_average(donor, epoch, state_hash, numels, left, part_timeout, wait=False)
             if info.get("status") != READY:
+                logger.debug(f"round {epoch}'s result from {donor}: {info.get('error') or info.get('status')}")
                 continue
             try:
                 gathered = {peer: Contribution.from_wire(c) for peer, c in info["gathered"].items()}
