@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 import torch
 
 from peer.config import RunConfig
+from peer.train.optim import EagerAdamW
 
 
 @dataclass
@@ -67,7 +68,7 @@ class InnerTrainer:
         # sends its model to the other ranks before the next step
         self.changed = True
         self.micro_batch = micro_batch or run.batch_size
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = EagerAdamW(
             self.params, lr=run.lr, betas=(0.9, 0.95), weight_decay=run.weight_decay,
             fused=device.type == "cuda",
         )
