@@ -14,7 +14,8 @@ inherit, as subclasses do; they, too, hold only for the versions named here.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Sequence
+import asyncio
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import hivemind
 from hivemind.dht.crypto import RSAPrivateKey
@@ -69,15 +70,28 @@ def sign_records_with(key: RSAPrivateKey) -> None:
         RSAPrivateKey._process_wide_key = key
 
 
-def meter_streams(count_sent: Callable[[int], None], count_received: Callable[[int], None]) -> None:
+def meter_streams(count_sent: Callable[[int], None], count_received: Callable[[int], None],
+                  pace: Optional[Callable[[int], float]] = None, chunk: int = 16384, small: int = 4096) -> None:
     """Report the size of every message this process writes to or reads from its p2p streams, with hivemind's
-    framing (a 1-byte marker and an 8-byte length per message). Patches ``P2P`` for the whole process."""
+    framing (a 1-byte marker and an 8-byte length per message). ``pace``: a message over ``small`` bytes is written
+    in pieces of ``chunk``, each after the seconds ``pace(piece size)`` says (``peer/averaging/pacing.py``); smaller
+    ones are booked with it and sent at once. Patches ``P2P`` for the whole process."""
     send, receive = P2P.send_raw_data, P2P.receive_raw_data
     overhead = 1 + P2P.HEADER_LEN
 
     async def send_raw_data(data, writer, *args, **kwargs):
         count_sent(len(data) + overhead)
-        return await send(data, writer, *args, **kwargs)
+        if pace is None or len(data) <= small:
+            if pace is not None:
+                pace(len(data) + overhead)
+            return await send(data, writer, *args, **kwargs)
+        writer.write(len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER))  # hivemind's framing, written in pieces
+        view = memoryview(data)
+        for offset in range(0, len(view), chunk):
+            piece = view[offset:offset + chunk]
+            await asyncio.sleep(pace(len(piece) + (overhead if offset == 0 else 0)))
+            writer.write(piece)
+            await writer.drain()
 
     async def receive_raw_data(reader):
         data = await receive(reader)

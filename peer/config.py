@@ -233,18 +233,22 @@ class SyncConfig:
     request_timeout: float = opt(3.0, "seconds to wait for a matchmaking reply")
     sync_timeout: float = opt(0.0, "max seconds of sync per round, retries included (0 = derived)")
     retries: int = opt(2, "times to retry with the survivors after an all-reduce lost a member")
+    max_upload: float = opt(0.0, "Mbit/s: pace this peer's bulk sends (all-reduce parts, results, state) below "
+                                 "this rate, so that DHT reads and matchmaking never queue behind a round on a thin "
+                                 "uplink; about 80%% of the uplink you measured (0 = unpaced)")
 
     def __post_init__(self):
         require_positive(self, "allreduce_timeout", "part_timeout", "request_timeout", "deadline_factor",
                          "deadline_floor")
-        require_non_negative(self, "sync_timeout", "retries")
+        require_non_negative(self, "sync_timeout", "retries", "max_upload")
 
     def allreduce_ceiling(self, payload_bytes: float) -> float:
         """--allreduce-timeout, or three times what a round's sends (``payload_bytes``) take at the thinnest home
-        uplink the defaults are made for (``MIN_UPLINK_MBIT``), whichever is longer: a large model must finish its
+        uplink the defaults are made for (``MIN_UPLINK_MBIT``, or ``--max-upload`` below it), whichever is longer: a large model must finish its
         first all-reduce, before any is measured (``1b`` in 4 fragments at int4-huffman sends about 150 MB a round,
         a minute at 20 Mbit/s)."""
-        return max(self.allreduce_timeout, 3 * payload_bytes * 8 / (MIN_UPLINK_MBIT * 1e6))
+        uplink = min(MIN_UPLINK_MBIT, self.max_upload) if self.max_upload else MIN_UPLINK_MBIT
+        return max(self.allreduce_timeout, 3 * payload_bytes * 8 / (uplink * 1e6))
 
     def round_budget(self, grace_seconds: float, allreduce_timeout: float) -> float:
         """The longest a round's sync may block this peer: matchmaking plus all-reduce, per attempt."""

@@ -35,6 +35,7 @@ from dht.node import init_child_process
 from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.bans import Bans
 from peer.averaging.liveness import stop_waiting_for_the_gone
+from peer.averaging.pacing import CHUNK_BYTES, SMALL_BYTES, Pacer
 from peer.averaging.results import MINORITY, NO_MAJORITY, READY, RoundResults, result_key
 from peer.averaging.sharing import StateProvider, StateSharing
 from peer.hooks import Hooks
@@ -63,7 +64,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
                  state_provider: StateProvider, quorum: int, grace_seconds: float, request_timeout: float,
                  allreduce_timeout: float, part_timeout: float, client_mode: bool, hooks: Optional[Hooks] = None,
                  part_size_bytes: int = 2**20, clip_factor: float = 0.0, ban_after: int = 0,
-                 state_size: Optional[int] = None):
+                 state_size: Optional[int] = None, max_upload_mbit: float = 0.0):
         internals.check_version()
         # values in G (and in m): the buffers hold one fragment of them with --fragments (peer/outer/fragments.py)
         self.state_size = delta.numel() if state_size is None else state_size
@@ -72,6 +73,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         self.clip_factor, self.bans = clip_factor, Bans(ban_after)
         self.exact_timeout, self.part_timeout = allreduce_timeout, part_timeout  # set per round by prepare_round
         self._traffic = mp.Array(ctypes.c_ulonglong, 2)  # written by the averager process, read by ours
+        self.max_upload_mbit = max_upload_mbit  # pace our sends below this (0: unpaced; peer/averaging/pacing.py)
         self.round_epoch = -1  # the epoch being synced, as set by prepare_round (averager process)
         self.round_phase, self.round_key = GROUP, ""  # which all-reduce this round's step runs, and the round's key
         self.round_group = -1  # which group of a round of many (-1: one group of all)
@@ -99,7 +101,9 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
 
     def run(self) -> None:
         init_child_process()
-        internals.meter_streams(self._count(0), self._count(1))
+        pacer = Pacer.from_mbit(self.max_upload_mbit) if self.max_upload_mbit else None
+        internals.meter_streams(self._count(0), self._count(1), pace=pacer and pacer.reserve, chunk=CHUNK_BYTES,
+                                small=SMALL_BYTES)
         super().run()
 
     def _count(self, index: int):

@@ -215,6 +215,7 @@ def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, reach: Reach,
         quorum=run.quorum, grace_seconds=run.grace_seconds, request_timeout=sync.request_timeout,
         allreduce_timeout=ceiling, part_timeout=sync.part_timeout, client_mode=net.client_mode,
         hooks=hooks, clip_factor=run.clip_factor, ban_after=run.ban_after, state_size=layout.numel,
+        max_upload_mbit=sync.max_upload,
     )
     averager.run_in_background(await_ready=True)
     closer.callback(_shut_down, averager)
