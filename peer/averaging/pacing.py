@@ -1,0 +1,39 @@
+"""Pacing a peer's sends below its uplink (``--max-upload``), so that control messages never queue behind a round.
+
+On a saturated uplink every byte waits behind the bytes written before it: in the p2p daemon's TCP send buffer
+(megabytes, seconds at a home rate) and in the router's queue. A DHT read or a matchmaking reply then arrives
+seconds late, groups miss members, and rounds are lost (bench/results/wan.md, "The hard row"). A ``Pacer`` spaces
+the averager process's bulk sends (all-reduce parts, round results, state downloads) so that on average they leave
+no faster than the rate: a send waits until the bytes reserved before it have drained at that rate, so the queues
+below stay short. Small messages (matchmaking, a result's status) are counted against the rate but never wait:
+they go ahead of the bulk, as they should.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+CHUNK_BYTES = 16 * 1024  # a bulk message is written in pieces of this size, each when it is due
+SMALL_BYTES = 4 * 1024  # messages up to this size are never held back (control, not bulk)
+
+
+class Pacer:
+    """A virtual clock of the uplink: ``reserve(n)`` books n bytes after everything booked before, at ``rate``
+    bytes a second, and says how long to wait until they are due (0 on an idle link)."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic):
+        if not rate > 0:
+            raise ValueError(f"the pacing rate must be positive, got {rate}")
+        self.rate, self.clock = rate, clock
+        self.free_at = float("-inf")  # when the bytes booked so far will have left
+
+    def reserve(self, size: int) -> float:
+        now = self.clock()
+        start = max(self.free_at, now)
+        self.free_at = start + size / self.rate
+        return start - now
+
+    @classmethod
+    def from_mbit(cls, mbit: float, clock: Callable[[], float] = time.monotonic) -> "Pacer":
+        return cls(mbit * 1e6 / 8, clock)
