@@ -65,7 +65,7 @@ def measure(args, runs: Runs) -> List[dict]:
     for name, settings in configurations(args.new, args.ablations).items():
         rounds = rounds_of(settings, args)
         run = run_of(settings, args, rounds)
-        seeds = args.seeds if name in ("today", "new") else args.seeds[:1]
+        seeds = args.seeds if name in ("today", "new") or args.all_seeds else args.seeds[:1]
         overlap = args.overlap_fractions[settings["fragments"]] if settings["overlap"] else 0.0
         results = [runs._get(dict(kind="diloco", label=name, settings=run.to_settings(), replicas=args.replicas,
                                   rounds=rounds, seed=seed, eval_every=rounds, overlap=overlap),
@@ -101,8 +101,9 @@ def report(rows: List[dict], args, argv: List[str]) -> str:
         f"{args.batch_size} x {args.seq_len} tokens a step, {args.tokens / 1e6:.2f}M tokens in all, inner lr "
         f"{args.lr:g} with {args.warmup_steps} warm-up steps and a cosine to 10% over the run; the outer schedule is "
         f"RunConfig's (warm-up over {RunConfig().outer_warmup} outer steps, Nesterov lr 0.7, momentum 0.9). Held-out "
-        f"eval: {args.eval_batches} batches. Seeds {', '.join(map(str, args.seeds))} for today and new, the first "
-        f"for the others. With overlap, the average lands this far into the next round: "
+        f"eval: {args.eval_batches} batches. Seeds {', '.join(map(str, args.seeds))} for today and new, "
+        f"{'and for the others' if args.all_seeds else 'the first for the others'}. With overlap, the average "
+        f"lands this far into the next round: "
         f"{', '.join(f'F={f}: {x:.0%}' for f, x in args.overlap_fractions.items())}.",
         "",
         "| configuration | settings | rounds | eval loss per seed | mean | gap to data-parallel | bytes a replica "
@@ -130,6 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-batches", type=int, default=32)
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--all-seeds", action="store_true", help="run the ablations on every seed too (default: "
+                                                                 "the first only)")
     parser.add_argument("--cache", type=Path, help="keep finished runs here; a rerun resumes")
     parser.add_argument("--overlap-fractions", nargs="*", default=["1=0.3", "4=0.45"], metavar="F=FRACTION",
                         help="with overlap and F fragments, how far into the next round the average lands (measured: "

@@ -498,6 +498,11 @@ class SimTransport:
     def give_up_result(self, epoch: int, state_hash: str) -> None:
         self.network.conclude(f"{self.peer.peer_id}/{epoch}:{state_hash}", FAILED)
 
+    def serve_alone(self, epoch: int, state_hash: str, alone: Averaged) -> None:
+        self.network.conclude(f"{self.peer.peer_id}/{epoch}:{state_hash}", READY,
+                              average=[tensor.clone() for tensor in self.peer.tensors][:1],
+                              info=dict(gathered=dict(alone.gathered), aligned=False), delegates=[self.peer.peer_id])
+
     def conclude_group(self, epoch: int, state_hash: str, group: Averaged) -> None:
         self.network.conclude(f"{self.peer.peer_id}/{epoch}:{state_hash}", GROUP_ONLY,
                               info=dict(gathered=dict(group.gathered), aligned=group.aligned))

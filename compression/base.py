@@ -17,6 +17,9 @@ class Codec(ABC):
     name: str
     bits_per_value: float  # nominal wire cost per fp32 value, used to size parts before encoding
     fixed_size = True  # encode's size depends on the count of values only (else wire_bytes is an upper bound)
+    # decode(encode(v)) == v for decoded values v, in parts that start on a block's boundary: values this codec
+    # decoded can be served again as a result (a lone step's, peer/averaging/results.py)
+    reencodes_exactly = True
 
     @abstractmethod
     def encode(self, values: torch.Tensor) -> bytes:

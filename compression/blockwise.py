@@ -131,6 +131,8 @@ class Int8Codec(BlockwiseCodec):
     bits_per_value = 8.0  # nominal: sizes hivemind's parts to whole blocks (the scales add 0.1%)
     block = 4096
     code_bits = 8
+    reencodes_exactly = False  # the dynamic map's codes near zero are closer than fp32's rounding of value/absmax:
+    # re-encoded, 29 of 262,144 decoded values moved to a neighbouring code (tests/test_replay.py)
 
     def _make_code(self) -> torch.Tensor:
         code = _bnb_functional().create_dynamic_map(signed=True)

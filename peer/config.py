@@ -244,9 +244,9 @@ class SyncConfig:
 
     def allreduce_ceiling(self, payload_bytes: float) -> float:
         """--allreduce-timeout, or three times what a round's sends (``payload_bytes``) take at the thinnest home
-        uplink the defaults are made for (``MIN_UPLINK_MBIT``, or ``--max-upload`` below it), whichever is longer: a large model must finish its
-        first all-reduce, before any is measured (``1b`` in 4 fragments at int4-huffman sends about 150 MB a round,
-        a minute at 20 Mbit/s)."""
+        uplink the defaults are made for (``MIN_UPLINK_MBIT``, or ``--max-upload`` below it), whichever is longer:
+        a large model must finish its first all-reduce, before any is measured (``1b`` in 4 fragments at
+        int4-huffman sends about 150 MB a round, a minute at 20 Mbit/s)."""
         uplink = min(MIN_UPLINK_MBIT, self.max_upload) if self.max_upload else MIN_UPLINK_MBIT
         return max(self.allreduce_timeout, 3 * payload_bytes * 8 / (uplink * 1e6))
 

@@ -229,3 +229,32 @@ def test_a_peer_that_missed_rounds_replays_them_instead_of_downloading_the_state
     first = next(r for r in back.metrics if r.get("resumed_hash"))
     own_round = max(r["bytes_received"] for r in peers[0].metrics)
     assert first["bytes_received"] < own_round + replayed * state_bytes / 3, (first["bytes_received"], replayed)
+
+
+@pytest.mark.slow
+def test_a_peer_restarted_behind_a_peer_that_stepped_alone_replays_its_lone_steps(tmp_path):
+    """Of a swarm of two, one is killed; the survivor steps alone, serving each lone step (its quantized delta) as
+    the round's result. The killed peer, restarted from its checkpoint a few rounds behind, replays those steps to
+    the survivor's hash, downloads no state, and the two meet in groups again."""
+    from tests.harness.swarm import Swarm, assert_all_leave, assert_groups_agree, wait_until
+
+    swarm = Swarm(tmp_path)
+    flags = ("--compression", "int4-huffman", "--align-every", "0", "--inner-steps", "5", "--min-step-seconds", "0.6")
+    checkpoint = ("--checkpoint-dir", str(tmp_path / "late-ckpt"))
+    try:
+        survivor = swarm.peer("survivor", *flags)
+        late = swarm.peer("late", *flags, *checkpoint, faults="kill@inner:4")
+        wait_until(lambda: not late.alive(), 120, "the late peer to be killed in its round 4")
+        killed_at = max(r["epoch"] for r in late.metrics)
+        wait_until(lambda: survivor.reached(lambda m: sum(r["applied"] and r["group_size"] == 1 and
+                                                          r["epoch"] > killed_at for r in m) >= 2), 90,
+                   "the survivor to step alone twice")
+        back = swarm.peer("late-back", *flags, *checkpoint, metrics_path=late.metrics_path)
+        wait_until(lambda: "downloading the state" in back.stderr or "by replaying" in back.stderr and back.reached(
+            lambda m: sum(r["applied"] and r["group_size"] == 2 and r["epoch"] > killed_at + 2 for r in m) >= 2),
+            180, "the restarted peer to replay the lone steps and rejoin")
+        assert_all_leave([survivor, back], 60)
+    finally:
+        swarm.close()
+    assert "by replaying" in back.stderr and "downloading the state" not in back.stderr, back.stderr[-2000:]
+    assert assert_groups_agree([survivor, back]) >= 2

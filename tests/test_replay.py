@@ -1,6 +1,7 @@
 """Catching up by replaying the rounds missed (peer/round/catchup.py): a peer a few rounds behind takes each round's
 result from a peer that holds it and steps itself, instead of downloading the whole state; in-process."""
 
+import pytest
 import torch
 
 from peer.config import RunConfig
@@ -70,3 +71,50 @@ def test_a_result_of_another_lineage_is_not_adopted():
     peer.transport.results[key] = (averaged, torch.tensor([0.5, 0.5]))  # what another group applied
     found = peer.catchup.catch_up(timeout=10.0)
     assert not found.adopted and peer.hash() == before and peer.transport.downloads == [(("a", "b"), digest)]
+
+
+def test_a_peer_that_stepped_alone_serves_its_step_and_a_peer_behind_replays_it():
+    """Its groupmate died, so a peer steps alone; the swarm had another peer, so it serves its step (its quantized
+    delta) as the round's result. That peer, restarted at the state before, replays the lone step to the same hash
+    instead of downloading the state. (A peer that never saw another peer's record serves nothing: no one needs it.)"""
+    alone, behind = FakePeer(numel=8, peer_id="a"), FakePeer(numel=8, peer_id="b")
+    assert alone.hash() == behind.hash()
+    alone.transport.peers["b"] = record("b", 4, alone.hash(), 1000)
+    alone.silence("b")
+    alone.train()
+    start = (alone.state.epoch, alone.hash())
+    result = alone.sync(tokens=100)
+    assert result.applied and result.group == ("a",)
+    assert list(alone.transport.alone) == [start]
+    behind.transport.results.update(alone.transport.alone)
+    behind.transport.peers["a"] = record("a", alone.state.epoch, alone.hash(), alone.state.tokens_total)
+    found = behind.catchup.catch_up(timeout=10.0)
+    assert found.adopted and behind.hash() == alone.hash() and behind.transport.downloads == []
+    assert behind.state.merged == alone.state.merged and behind.state.tokens_total == alone.state.tokens_total
+
+    solo = FakePeer(numel=8, peer_id="s")
+    solo.train()
+    assert solo.sync(tokens=100).applied and solo.transport.alone == {}
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "int8", "int4", "int4-huffman"])
+def test_a_lone_steps_quantized_delta_survives_its_encoding_as_a_result_bit_for_bit(name):
+    """What a lone peer serves is its buffer (delta + residual, quantized by the error feedback) encoded again by
+    the wire codec in LONE_PART_VALUES parts; a replay decodes those parts. Each codec gives back the values it
+    decoded, so the replayed step is the lone peer's to the bit (and the replay's hash check would say if not);
+    int8 does not, and says so."""
+    from diloco_compression import get_codec
+    from diloco_compression.feedback import ErrorFeedback
+
+    from peer.averaging.allreduce import CodecCompression
+    from peer.averaging.results import LONE_PART_VALUES, decode_parts
+
+    codec = get_codec(name)
+    numel = LONE_PART_VALUES + 3 * 16384 + 100  # a last part shorter than the rest, ending mid-block
+    delta = torch.randn(numel, generator=torch.Generator().manual_seed(0)) * 1e-3
+    buffer = torch.empty(numel)
+    ErrorFeedback(codec, numel).quantize(delta, out=buffer)
+    compression = CodecCompression(codec)
+    parts = [compression.compress(chunk, None) for chunk in buffer.split(LONE_PART_VALUES)]
+    # int8's dynamic map is not exact near zero: it says so, and a lone peer on it serves nothing
+    assert torch.equal(decode_parts(compression, parts, numel), buffer) == codec.reencodes_exactly

@@ -40,6 +40,7 @@ KEPT_ROUNDS = 8  # results a member keeps serving: its last few rounds (two peri
 KEPT_STATE_COPIES = 1  # as many encoded bytes as this many fp32 copies of G (fp16 whole rounds: the last 2 results)
 POLL_SECONDS = 0.25  # how often a groupmate asks again while the result is pending
 PARTS_PER_SLICE = 8  # parts a groupmate asks a delegate for at once
+LONE_PART_VALUES = 1 << 18  # a lone step's result, in parts of this many values: a multiple of every codec's block
 
 
 def result_key(epoch: int, state_hash: str) -> str:
@@ -101,6 +102,25 @@ class RoundResults:
     async def _give_up(self, key: str) -> None:  # the averager's pipe runs coroutines only
         if self._result(key).status != READY:
             self._conclude(key, FAILED)
+
+    def serve_alone(self, epoch: int, state_hash: str, values: torch.Tensor, gathered: Dict[str, Any]) -> None:
+        """Main process: we stepped alone on ``values`` (our delta, quantized by the wire codec: the whole first
+        buffer); serve them as the round's result, encoded as a round's parts are, to the peers that replay it.
+        A codec's re-encode of its own decoded values gives them back (each block keeps its largest value), in parts
+        that start on a block's boundary; the replay checks the end state's hash all the same."""
+        if self.codec.reencodes_exactly:  # else a replay of it would fail its hash check: serve nothing
+            internals.call_in_averager(self, "_serve_alone", key=result_key(epoch, state_hash), values=values,
+                                       gathered=gathered)
+
+    async def _serve_alone(self, key: str, values: torch.Tensor, gathered: Dict[str, Any]) -> None:
+        compression = CodecCompression(self.codec)
+
+        def encode() -> List[runtime_pb2.Tensor]:
+            return [compression.compress(chunk, None) for chunk in values.split(LONE_PART_VALUES)]
+
+        parts = await asyncio.get_event_loop().run_in_executor(None, encode)  # the averager serves on meanwhile
+        self._conclude(key, READY, parts, info=dict(gathered=gathered, aligned=False, groups=1,
+                                                     delegates=[self.peer_id.to_base58()]))
 
     def conclude_group(self, epoch: int, state_hash: str, info: Dict[str, Any]) -> None:
         """Main process: as a majority group's delegate that met no other group's, we apply our group's average

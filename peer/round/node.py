@@ -70,7 +70,7 @@ class Peer:
     def join(self) -> None:
         """Catch up with the swarm, publish our record and say who we are."""
         if self.parts.catchup.catch_up(timeout=60.0).adopted:
-            self.reporter.info(f"downloaded the swarm's state: epoch {self.state.epoch}, hash {self.state.hash()}")
+            self.reporter.info(f"caught up with the swarm's state: epoch {self.state.epoch}, hash {self.state.hash()}")
         self._drop_resumed_if_merged()
         self._publish()
         say_who_we_are(self.parts, self.node.run_id, self.reporter)

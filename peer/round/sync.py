@@ -285,7 +285,12 @@ class Synchronizer:
     def _apply_alone(self, tokens: int, result: SyncResult) -> None:
         mine = self.announcer.record()
         alone = Contribution(epoch=mine.epoch, hash=mine.state_hash, tokens=tokens, step_seconds=self.step_seconds)
-        self._apply(Averaged(gathered={mine.peer_id: alone}, aligned=False, seconds=0.0), result)
+        averaged = Averaged(gathered={mine.peer_id: alone}, aligned=False, seconds=0.0)
+        self._apply(averaged, result)
+        if result.applied and any(peer != mine.peer_id for peer in self.cache.records):
+            # a swarm's peer behind us (a restart, one that was syncing) replays our step rather than downloading
+            # the state: our quantized delta, in the buffers still, is the round's result (none needed alone)
+            self.transport.serve_alone(mine.epoch, mine.state_hash, averaged)
 
     def _apply(self, averaged: Averaged, result: SyncResult) -> None:
         """The outer step on the averaged pseudo-gradient, bit-identical on every member."""

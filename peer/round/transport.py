@@ -80,6 +80,10 @@ class Transport(Protocol):
     def give_up_result(self, epoch: int, state_hash: str) -> None:
         """As a delegate whose sync ends without the round's result: our groupmates stop waiting for it."""
 
+    def serve_alone(self, epoch: int, state_hash: str, alone: Averaged) -> None:
+        """We stepped alone from (``epoch``, ``state_hash``) on the delta in the buffers: serve it as that round's
+        result, for replay."""
+
     def conclude_group(self, epoch: int, state_hash: str, group: Averaged) -> None:
         """As a delegate of a majority group that met no other group's: our groupmates apply our group's average,
         which they hold already."""
@@ -167,6 +171,11 @@ class SwarmTransport:
 
     def give_up_result(self, epoch: int, state_hash: str) -> None:
         self.averager.give_up_result(epoch, state_hash)
+
+    def serve_alone(self, epoch: int, state_hash: str, alone: Averaged) -> None:
+        with self.averager.get_tensors() as tensors:
+            values = tensors[0].clone()
+        self.averager.serve_alone(epoch, state_hash, values, {peer: c.to_wire() for peer, c in alone.gathered.items()})
 
     def conclude_group(self, epoch: int, state_hash: str, group: Averaged) -> None:
         self.averager.conclude_group(epoch, state_hash, dict(

@@ -81,6 +81,7 @@ class FakeTransport:
         self.last_group: Optional[Contribution] = None  # our word in the last group formed
         # round results the other peers serve to a replay: (epoch, state hash) -> (result, its averaged buffer)
         self.results: Dict[Tuple[int, str], Tuple[Averaged, torch.Tensor]] = {}
+        self.alone: Dict[Tuple[int, str], Tuple[Averaged, torch.Tensor]] = {}  # our lone steps, served
         self.replayed: List[Tuple[Tuple[str, ...], int, str]] = []  # each replay asked: donors, epoch, state hash
 
     def read_records(self, timeout: float) -> Optional[Dict[str, PeerRecord]]:
@@ -140,6 +141,9 @@ class FakeTransport:
 
     def give_up_result(self, epoch, state_hash) -> None:
         self.given_up.append((epoch, state_hash))
+
+    def serve_alone(self, epoch, state_hash, alone) -> None:
+        self.alone[(epoch, state_hash)] = (alone, self.tensors[0].clone())  # what another's replay would take
 
     def conclude_group(self, epoch, state_hash, group) -> None:
         self.concluded.append((epoch, state_hash, tuple(sorted(group.gathered))))
