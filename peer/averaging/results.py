@@ -103,20 +103,21 @@ class RoundResults:
         if self._result(key).status != READY:
             self._conclude(key, FAILED)
 
-    def serve_alone(self, epoch: int, state_hash: str, values: torch.Tensor, gathered: Dict[str, Any]) -> None:
-        """Main process: we stepped alone on ``values`` (our delta, quantized by the wire codec: the whole first
-        buffer); serve them as the round's result, encoded as a round's parts are, to the peers that replay it.
-        A codec's re-encode of its own decoded values gives them back (each block keeps its largest value), in parts
-        that start on a block's boundary; the replay checks the end state's hash all the same."""
+    def serve_alone(self, epoch: int, state_hash: str, gathered: Dict[str, Any]) -> None:
+        """Main process: we stepped alone on our first buffer (our delta, quantized by the wire codec); serve it as
+        the round's result, encoded as a round's parts are, to the peers that replay it. A codec's re-encode of its
+        own decoded values gives them back (each block keeps its largest value), in parts that start on a block's
+        boundary; the replay checks the end state's hash all the same. The averager process encodes it, holding the
+        buffers, so that our next round's contribution waits for it rather than overwriting it."""
         if self.codec.reencodes_exactly:  # else a replay of it would fail its hash check: serve nothing
-            internals.call_in_averager(self, "_serve_alone", key=result_key(epoch, state_hash), values=values,
-                                       gathered=gathered)
+            internals.call_in_averager(self, "_serve_alone", key=result_key(epoch, state_hash), gathered=gathered)
 
-    async def _serve_alone(self, key: str, values: torch.Tensor, gathered: Dict[str, Any]) -> None:
+    async def _serve_alone(self, key: str, gathered: Dict[str, Any]) -> None:
         compression = CodecCompression(self.codec)
 
         def encode() -> List[runtime_pb2.Tensor]:
-            return [compression.compress(chunk, None) for chunk in values.split(LONE_PART_VALUES)]
+            with self.get_tensors() as tensors:
+                return [compression.compress(chunk, None) for chunk in tensors[0].split(LONE_PART_VALUES)]
 
         parts = await asyncio.get_event_loop().run_in_executor(None, encode)  # the averager serves on meanwhile
         self._conclude(key, READY, parts, info=dict(gathered=gathered, aligned=False, groups=1,

@@ -173,9 +173,7 @@ class SwarmTransport:
         self.averager.give_up_result(epoch, state_hash)
 
     def serve_alone(self, epoch: int, state_hash: str, alone: Averaged) -> None:
-        with self.averager.get_tensors() as tensors:
-            values = tensors[0].clone()
-        self.averager.serve_alone(epoch, state_hash, values, {peer: c.to_wire() for peer, c in alone.gathered.items()})
+        self.averager.serve_alone(epoch, state_hash, {peer: c.to_wire() for peer, c in alone.gathered.items()})
 
     def conclude_group(self, epoch: int, state_hash: str, group: Averaged) -> None:
         self.averager.conclude_group(epoch, state_hash, dict(
