@@ -19,7 +19,7 @@ from peer.swarm.consensus import (
     voters,
 )
 from peer.swarm.metadata import Contribution
-from peer.swarm.timing import round_target
+from peer.swarm.timing import MAX_STRETCH, SYNC_HEADROOM, next_round, round_target
 
 
 def record(peer, epoch, state_hash, tokens, manifest="m", status="training", next_sync_at=None):
@@ -57,6 +57,18 @@ def test_round_target_is_the_median_of_future_plans():
     assert round_target(others, mine, own_plan=130.0, now=100.0) == 120.0  # c's plan is already past
     assert round_target(others, mine, own_plan=None, now=100.0) == 115.0
     assert round_target([], mine, own_plan=None, now=100.0) is None
+
+
+def test_the_next_round_outlasts_the_members_syncs_within_a_bound():
+    def group(*syncs, pace=0.5):
+        return {f"p{i}": Contribution(epoch=1, hash="aa", tokens=1, step_seconds=pace, sync_seconds=s)
+                for i, s in enumerate(syncs)}
+    assert next_round(group(None, None), round_seconds=0, inner_steps=100) == (50.0, 1.0)  # H at the median pace
+    assert next_round(group(10.0, 20.0, 30.0), round_seconds=0, inner_steps=100) == (50.0, 1.0)  # syncs fit
+    seconds, stretch = next_round(group(40.0, 60.0, 200.0), round_seconds=0, inner_steps=100)
+    assert seconds == SYNC_HEADROOM * 60.0 and stretch == seconds / 50.0  # the median sync, with headroom
+    assert next_round(group(900.0), round_seconds=30.0, inner_steps=100) == (MAX_STRETCH * 30.0, MAX_STRETCH)
+    assert next_round(group(60.0, pace=None), round_seconds=0, inner_steps=100) == (None, 1.0)  # no pace known
 
 
 def test_a_peer_silent_long_past_its_planned_sync_is_not_waited_for():

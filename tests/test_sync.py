@@ -8,6 +8,7 @@ hash, what was sent and how often, and the lineage bookkeeping. Milliseconds eac
 import dataclasses
 import threading
 
+import pytest
 import torch
 
 from peer.config import RunConfig
@@ -17,6 +18,7 @@ from peer.round.schedule import RoundClock
 from peer.swarm.consensus import MAX_MISSED, SYNCING
 from peer.swarm.failures import DelegateLost, GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.metadata import Contribution
+from peer.swarm.timing import MAX_STRETCH, SYNC_HEADROOM
 from tests.harness.fake import FakeClock, FakePeer, across, record, with_group
 
 
@@ -335,6 +337,37 @@ def test_with_overlap_the_group_ends_the_round_in_progress_together():
     result = peer.sync(planned_end=lambda: 1010.0)
     assert peer.transport.sent[0][0].planned_end == 1010.0  # our plan, told to the group
     assert result.round_end == 1020.0  # the median of the members' plans
+
+
+def test_with_overlap_a_group_whose_syncs_outlast_its_rounds_stretches_the_next_one():
+    # a thin link: each sync takes 50 s where a round is H steps at 0.5 s (planned 0.5 H seconds). Left as planned,
+    # every overlapped sync would end later than the last and shorten the rounds after it
+    peer = FakePeer()
+    planned = peer.run.round_steps * 0.5
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.append(with_group(("a", theirs(peer)), seconds=50.0))
+    first = peer.sync(step_seconds=0.5, planned_end=lambda: 1010.0, overlapped=True)
+    assert first.applied and first.stretch == 1.0  # nobody knew how long a sync takes yet
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.append(with_group(("a", theirs(peer, step_seconds=0.5, sync_seconds=70.0)), seconds=30.0))
+    second = peer.sync(step_seconds=0.5, planned_end=lambda: 1100.0, overlapped=True)
+    assert peer.transport.sent[1][0].sync_seconds == 50.0  # our last sync's length, told to the group
+    assert second.next_round_seconds == pytest.approx(min(MAX_STRETCH * planned, SYNC_HEADROOM * 60.0))
+    assert second.stretch == pytest.approx(second.next_round_seconds / planned) and second.stretch > 1
+    assert peer.synchronizer.sync_seconds == 40.0  # a moving average of our applied syncs' lengths
+
+
+def test_without_overlap_a_sync_tells_no_length_and_rounds_keep_their_plan():
+    peer = FakePeer()
+    for _ in range(2):
+        peer.train()
+        holder(peer)
+        peer.transport.scripts.append(with_group(("a", theirs(peer, step_seconds=0.5)), seconds=50.0))
+        result = peer.sync(step_seconds=0.5)
+    assert [sent.sync_seconds for sent, _, _ in peer.transport.sent] == [None, None]
+    assert result.stretch == 1.0 and result.next_round_seconds == peer.run.round_steps * 0.5
 
 
 def test_an_unreachable_holders_state_gets_one_more_attempts_time():

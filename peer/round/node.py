@@ -154,7 +154,7 @@ class Peer:
                 clock.planned.wait(timeout=10.0)
             result = synchronizer.sync(job.tokens, budget, missed_rounds=job.rounds - 1, step_seconds=step_seconds,
                                        planned_end=(lambda: clock.target) if overlap else (lambda: None),
-                                       meet_at=meet_at)
+                                       meet_at=meet_at, overlapped=overlap)
             if overlap and not result.applied:
                 # the round in progress was planned before this sync caught up (or found no group): line its
                 # end up with the swarm's, or we reach the next sync out of step with everyone again
@@ -176,8 +176,15 @@ class Peer:
         result = job.wait()
         self.parts.local.thaw()
         sync_seconds = time.monotonic() - (wait_start if self.node.overlap else job.started)
+        if result.applied and (result.stretch > 1.0) != (self.clock.stretch > 1.0):
+            seconds = result.next_round_seconds
+            self.reporter.info(f"syncs take longer than a round: the group stretched the next one to {seconds:.0f} s "
+                               f"({result.stretch:.2f}x its planned length), so that its sync ends inside it"
+                               if result.stretch > 1.0 else
+                               f"syncs fit inside a round again: the next one lasts its planned {seconds:.0f} s")
         self.clock.finish(job.stats.steps, job.stats.compute_seconds, result.next_round_seconds,
-                          anchor=result.round_end if self.node.overlap else None)
+                          anchor=result.round_end if self.node.overlap else None,
+                          stretch=result.stretch if result.applied else self.clock.stretch)
         self._drop_resumed_if_merged()
         if result.applied:
             progress.pending_tokens -= job.tokens

@@ -10,7 +10,8 @@
   up mid-round (keeping its work) and takes the swarm's end time as its own.
 
 Within the deadline a faster peer may do up to 2H steps and a slower one fewer, so nobody idles at
-matchmaking; a peer alone, or before any pace is known, does exactly H steps. (With fragments, H/F steps in place
+matchmaking; a peer alone, or before any pace is known, does exactly H steps. A round the group stretched to outlast
+its syncs (overlap on a thin link) allows as many more. (With fragments, H/F steps in place
 of H: ``RunConfig.round_steps``.)
 """
 
@@ -37,6 +38,7 @@ class RoundClock:
         self.answered = answered  # a peer gone silent answered a ping (a healed partition, say)
         self.publish = publish
         self.step_seconds: Optional[float] = None  # EMA of this peer's seconds per inner step
+        self.stretch = 1.0  # the group's last agreed round length over its planned one (``timing.next_round``)
         self.agreed_end: Optional[float] = None  # DHT time at which the group agreed the next round ends
         self.deadline: Optional[float] = None  # monotonic time the current inner phase ends, if any
         self.began = 0.0  # monotonic time the current inner phase began
@@ -65,7 +67,7 @@ class RoundClock:
         self.planned.set()
         if target is None:
             return self.run.round_steps
-        return 10**9 if self.run.round_seconds else 2 * self.run.round_steps
+        return 10**9 if self.run.round_seconds else round(2 * self.run.round_steps * self.stretch)
 
     def over(self, steps_done: int) -> bool:
         """Stop before a step that would end after the round's planned end: a peer reaches its group's matchmaking
@@ -117,9 +119,11 @@ class RoundClock:
         self._set_deadline(end, self.clock.dht_time())
 
     def finish(self, steps: int, compute_seconds: float, next_round_seconds: Optional[float],
-               anchor: Optional[float] = None) -> None:
+               anchor: Optional[float] = None, stretch: float = 1.0) -> None:
         """After the round's sync: update our pace and keep the group's agreed end for the next round, counted
-        from ``anchor`` (overlap: the group's agreed end of the round that just ended) or else from now."""
+        from ``anchor`` (overlap: the group's agreed end of the round that just ended) or else from now.
+        ``stretch``: that round's length over its planned one; its step budget grows with it."""
+        self.stretch = stretch
         if steps:
             # an EMA weighted by the round's share of H, so that one short round does not skew the pace
             seconds, weight = compute_seconds / steps, 0.5 * min(1.0, steps / self.run.round_steps)

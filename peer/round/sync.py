@@ -42,7 +42,7 @@ from peer.swarm.consensus import SYNCING, peers_ahead, responsive
 from peer.swarm.deadlines import Deadlines
 from peer.swarm.metadata import Averaged, Contribution
 from peer.swarm.records import RecordCache
-from peer.swarm.timing import next_round_seconds, round_end
+from peer.swarm.timing import next_round, round_end
 from peer.train.flat import FlatLayout
 from peer.train.local import LocalModel
 
@@ -62,6 +62,7 @@ class SyncResult:
     outcome: Optional[Outcome] = None  # why the sync ended as it did (``decide.Outcome``)
     error: Optional[str] = None  # the outcome in a line (``decide.describe``); None when applied
     next_round_seconds: Optional[float] = None  # the group's agreed length of the next inner phase
+    stretch: float = 1.0  # that length over the planned one: above 1 when syncs outlast rounds (overlap)
     round_end: Optional[float] = None  # overlap: the group's agreed end (DHT time) of the round in progress
     offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
     reduced: float = 0.0  # the fraction of the group's vector we reduced in the all-reduce that applied
@@ -103,6 +104,8 @@ class Synchronizer:
         self.lock, self.deadlines, self.run, self.config = lock, deadlines, run, sync
         self.has_moment, self.hooks, self.initial_peer_ids = has_moment, hooks, tuple(initial_peer_ids)
         self.step_seconds: Optional[float] = None
+        self.sync_seconds: Optional[float] = None  # overlap: how long our applied syncs take (a moving average)
+        self.overlapped = False
         # rounds in a row we sat at this epoch without applying: what the escapes from waiting count (not the
         # unmerged rounds, which include rounds lost catching up; a peer that just adopted the swarm's state is
         # not stalled, and once counted as such it forked a majority still at work)
@@ -112,8 +115,8 @@ class Synchronizer:
 
     # ---- one round ----
     def sync(self, tokens: int, budget: float, missed_rounds: int = 0, step_seconds: Optional[float] = None,
-             planned_end: Callable[[], Optional[float]] = lambda: None, meet_at: Optional[float] = None
-             ) -> SyncResult:
+             planned_end: Callable[[], Optional[float]] = lambda: None, meet_at: Optional[float] = None,
+             overlapped: bool = False) -> SyncResult:
         """Average this round's work with the peers that hold our state; see the module docstring.
 
         ``missed_rounds``: rounds in a row this peer's work went unmerged; it weighs
@@ -124,16 +127,22 @@ class Synchronizer:
         ``meet_at``: when the round that just ended was planned to end (DHT time). A peer ends its inner phase at
         the last step that ends by then (``RoundClock.over``), so it is early, never late, and its group's
         matchmaking window runs from then, not from its own arrival: a slow peer's last step costs nobody a group.
+        ``overlapped``: this sync runs while the next round trains; the group stretches that round if its syncs
+        take longer (``timing.next_round``).
         """
-        self.step_seconds = step_seconds
+        self.step_seconds, self.overlapped = step_seconds, overlapped
         if self.state.epoch != self.stuck_epoch:
             self.stuck, self.stuck_epoch = 0, self.state.epoch
         early = max(0.0, meet_at - self.clock.dht_time()) if meet_at is not None else 0.0
         budget += early
-        attempt = _Attempt(tokens, missed_rounds, self.clock.monotonic() + budget, planned_end, meet_at=meet_at)
+        started = self.clock.monotonic()
+        attempt = _Attempt(tokens, missed_rounds, started + budget, planned_end, meet_at=meet_at)
         result = self._sync(attempt, budget)
         result.waited, result.deadline = early, budget
         self.stuck = 0 if result.applied or result.rebased else self.stuck + 1
+        if result.applied and overlapped:  # how long our syncs take, from the planned meeting on (``next_round``)
+            seconds = max(0.0, self.clock.monotonic() - started - early)
+            self.sync_seconds = seconds if self.sync_seconds is None else 0.5 * (self.sync_seconds + seconds)
         return result
 
     def _sync(self, attempt: _Attempt, budget: float) -> SyncResult:
@@ -258,6 +267,7 @@ class Synchronizer:
         mine = self.announcer.record()
         return Contribution(epoch=mine.epoch, hash=mine.state_hash, tokens=attempt.tokens, align=attempt.align,
                             step_seconds=self.step_seconds, missed=self.stuck, voters=action.voters,
+                            sync_seconds=self.sync_seconds if self.overlapped else None,
                             weight=attempt.tokens * self.run.stale_discount ** attempt.missed_rounds,
                             groups=action.groups, client=self.announcer.identity.client_mode)
 
@@ -318,7 +328,8 @@ class Synchronizer:
         result.groups = averaged.groups
         result.outcome, result.error = Outcome.APPLIED, None
         result.group, result.group_tokens = tuple(sorted(gathered)), averaged.group_tokens()
-        result.next_round_seconds = next_round_seconds(gathered, self.run.seconds_per_round, self.run.round_steps)
+        result.next_round_seconds, result.stretch = next_round(gathered, self.run.seconds_per_round,
+                                                               self.run.round_steps)
         result.round_end = round_end(gathered)
         self.announcer.republish()  # at once: a groupmate whose attempt failed late looks for this state (settle)
 

@@ -31,6 +31,7 @@ class Contribution:
     weight: float = 0.0  # its weight in the average (tokens, discounted when stale): its group's total is the group's
     groups: int = 1  # how many groups its sender expects the round to have (1: one group of all; ``swarm/grouping``)
     client: bool = False  # its sender accepts no connections: it cannot serve the round's result as a delegate
+    sync_seconds: Optional[float] = None  # overlap: how long its recent syncs took (the next round lasts longer)
 
     def to_wire(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -45,7 +46,8 @@ class Contribution:
                                align=value.get("align", False), step_seconds=value.get("step_seconds"),
                                missed=value.get("missed", 0), voters=value.get("voters", 1),
                                planned_end=value.get("planned_end"), weight=value.get("weight", 0.0),
-                               groups=value.get("groups", 1), client=value.get("client", False))
+                               groups=value.get("groups", 1), client=value.get("client", False),
+                               sync_seconds=value.get("sync_seconds"))
         except KeyError as e:
             raise ValueError(f"group metadata lacks {e.args[0]!r}") from None
         contribution.check()
@@ -62,7 +64,7 @@ class Contribution:
         if not isinstance(self.weight, (int, float)) or isinstance(self.weight, bool) or \
                 not 0 <= self.weight < float("inf"):
             raise ValueError(f"group metadata weight must be a finite number >= 0, got {self.weight!r}")
-        for name in ("step_seconds", "planned_end"):
+        for name in ("step_seconds", "planned_end", "sync_seconds"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
                                       or not math.isfinite(value)):

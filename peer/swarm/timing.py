@@ -1,8 +1,11 @@
 """When rounds end, so that the peers holding one state reach matchmaking together: pure functions.
 
 - After an outer step the group already agrees: every member computes the next round's length from the same
-  gathered contributions (``next_round_seconds``: H steps at the median member's pace), and with overlap the end
+  gathered contributions (``next_round``: H steps at the median member's pace), and with overlap the end
   of the round already in progress (``round_end``: the median of the members' plans).
+- With overlap a round's sync runs during the next round. A link that needs longer for a sync than a round lasts
+  would make every sync end later than the last, the rounds after it shorter, until the swarm splits; so the
+  group stretches its rounds (more inner steps) to outlast its syncs, up to ``MAX_STRETCH`` times.
 - A peer without that agreement (a joiner, one that caught up) lines up with the plans that the peers holding
   its state published in their records (``round_target``).
 """
@@ -10,20 +13,28 @@
 from __future__ import annotations
 
 import statistics
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Tuple
 
 from dht.records import PeerRecord
 from peer.swarm.consensus import peers_with_state
 from peer.swarm.metadata import Gathered
 
+SYNC_HEADROOM = 1.15  # a stretched round outlasts the members' median sync by this factor
+MAX_STRETCH = 4.0  # at most this many times a round's planned length (beyond: the link is too thin for the run)
 
-def next_round_seconds(gathered: Gathered, round_seconds: float, inner_steps: int) -> Optional[float]:
-    """The group's agreed length of its next inner phase: ``round_seconds`` if the run fixes one, else H steps at
-    the median member's pace; None if no member knows its pace yet."""
-    if round_seconds:
-        return round_seconds
+
+def next_round(gathered: Gathered, round_seconds: float, inner_steps: int) -> Tuple[Optional[float], float]:
+    """The group's agreed length of its next inner phase, and its stretch (that length over the planned one). The
+    planned length is ``round_seconds`` if the run fixes one, else H steps at the median member's pace; None if no
+    member knows its pace yet. With overlap the members also tell how long their recent syncs took: a round lasts
+    ``SYNC_HEADROOM`` times their median, if that is longer, so that the next sync finishes inside it."""
     paces = [c.step_seconds for c in gathered.values() if c.step_seconds is not None and c.step_seconds > 0]
-    return inner_steps * statistics.median(paces) if paces else None
+    planned = round_seconds or (inner_steps * statistics.median(paces) if paces else None)
+    syncs = [c.sync_seconds for c in gathered.values() if c.sync_seconds is not None and c.sync_seconds > 0]
+    if planned is None or not syncs:
+        return planned, 1.0
+    seconds = min(MAX_STRETCH * planned, max(planned, SYNC_HEADROOM * statistics.median(syncs)))
+    return seconds, seconds / planned
 
 
 def round_end(gathered: Gathered) -> Optional[float]:

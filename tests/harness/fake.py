@@ -184,11 +184,14 @@ def across(members: Sequence[str], tokens: int = 100, average: Optional[torch.Te
     return run
 
 
-def with_group(*others: Tuple[str, Contribution], average: Optional[torch.Tensor] = None) -> Script:
+def with_group(*others: Tuple[str, Contribution], average: Optional[torch.Tensor] = None,
+               seconds: float = 0.0) -> Script:
     """An attempt that forms a group with ``others`` (peer id, its contribution) and leaves ``average`` (default:
-    the weighted mean of our delta and zeros from the others, by tokens) in the buffers, as the all-reduce would."""
+    the weighted mean of our delta and zeros from the others, by tokens) in the buffers, as the all-reduce would,
+    ``seconds`` later on the fake clock."""
 
     def run(transport: FakeTransport, mine: Contribution, weight: float) -> Averaged:
+        transport.clock.sleep(seconds)
         gathered = {transport.peer_id: mine, **dict(others)}
         delta = transport.tensors[0]
         if average is not None:
