@@ -346,14 +346,16 @@ def test_with_overlap_a_group_whose_syncs_outlast_its_rounds_stretches_the_next_
     planned = peer.run.round_steps * 0.5
     peer.train()
     holder(peer)
-    peer.transport.scripts.append(with_group(("a", theirs(peer)), seconds=50.0))
+    peer.transport.scripts.extend([failing(GroupLostMember("sender #1 failed"), lambda: peer.clock.sleep(20.0)),
+                                   with_group(("a", theirs(peer)), seconds=50.0)])
     first = peer.sync(step_seconds=0.5, planned_end=lambda: 1010.0, overlapped=True)
     assert first.applied and first.stretch == 1.0  # nobody knew how long a sync takes yet
+    assert first.averaging_seconds == 50.0  # the attempt that applied: not the one that failed before it
     peer.train()
     holder(peer)
     peer.transport.scripts.append(with_group(("a", theirs(peer, step_seconds=0.5, sync_seconds=70.0)), seconds=30.0))
     second = peer.sync(step_seconds=0.5, planned_end=lambda: 1100.0, overlapped=True)
-    assert peer.transport.sent[1][0].sync_seconds == 50.0  # our last sync's length, told to the group
+    assert peer.transport.sent[-1][0].sync_seconds == 50.0  # our last sync's length, told to the group
     assert second.next_round_seconds == pytest.approx(min(MAX_STRETCH * planned, SYNC_HEADROOM * 60.0))
     assert second.stretch == pytest.approx(second.next_round_seconds / planned) and second.stretch > 1
     assert peer.synchronizer.sync_seconds == 40.0  # a moving average of our applied syncs' lengths

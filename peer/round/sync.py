@@ -63,6 +63,7 @@ class SyncResult:
     error: Optional[str] = None  # the outcome in a line (``decide.describe``); None when applied
     next_round_seconds: Optional[float] = None  # the group's agreed length of the next inner phase
     stretch: float = 1.0  # that length over the planned one: above 1 when syncs outlast rounds (overlap)
+    averaging_seconds: Optional[float] = None  # the group's attempt that applied, from its start: what overlap times
     round_end: Optional[float] = None  # overlap: the group's agreed end (DHT time) of the round in progress
     offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
     reduced: float = 0.0  # the fraction of the group's vector we reduced in the all-reduce that applied
@@ -81,6 +82,7 @@ class _Attempt:
     deadline: float  # monotonic
     planned_end: Callable[[], Optional[float]]
     meet_at: Optional[float] = None  # DHT time our group planned to meet: the first attempt's windows run from it
+    meets: float = 0.0  # the same, in monotonic time
     recovered: int = 0  # carried tokens this sync took from the lineage
     align: bool = False
     started: float = 0.0
@@ -104,7 +106,9 @@ class Synchronizer:
         self.lock, self.deadlines, self.run, self.config = lock, deadlines, run, sync
         self.has_moment, self.hooks, self.initial_peer_ids = has_moment, hooks, tuple(initial_peer_ids)
         self.step_seconds: Optional[float] = None
-        self.sync_seconds: Optional[float] = None  # overlap: how long our applied syncs take (a moving average)
+        # overlap: how long the attempts that applied took, from their start to the outer step (a moving average;
+        # not the catch-up before them, nor failed attempts)
+        self.sync_seconds: Optional[float] = None
         self.overlapped = False
         # rounds in a row we sat at this epoch without applying: what the escapes from waiting count (not the
         # unmerged rounds, which include rounds lost catching up; a peer that just adopted the swarm's state is
@@ -135,13 +139,13 @@ class Synchronizer:
             self.stuck, self.stuck_epoch = 0, self.state.epoch
         early = max(0.0, meet_at - self.clock.dht_time()) if meet_at is not None else 0.0
         budget += early
-        started = self.clock.monotonic()
-        attempt = _Attempt(tokens, missed_rounds, started + budget, planned_end, meet_at=meet_at)
+        attempt = _Attempt(tokens, missed_rounds, self.clock.monotonic() + budget, planned_end, meet_at=meet_at,
+                           meets=self.clock.monotonic() + early)
         result = self._sync(attempt, budget)
         result.waited, result.deadline = early, budget
         self.stuck = 0 if result.applied or result.rebased else self.stuck + 1
-        if result.applied and overlapped:  # how long our syncs take, from the planned meeting on (``next_round``)
-            seconds = max(0.0, self.clock.monotonic() - started - early)
+        seconds = result.averaging_seconds
+        if seconds is not None and overlapped:  # how long our syncs take (``timing.next_round``)
             self.sync_seconds = seconds if self.sync_seconds is None else 0.5 * (self.sync_seconds + seconds)
         return result
 
@@ -166,6 +170,8 @@ class Synchronizer:
                     self.transport.conclude_group(*attempt.crossed, attempt.group)
                     attempt.averaged = attempt.group
                 self._apply(attempt.averaged, result)
+                if result.applied:  # the attempt that applied, from its start (or the planned meeting, if later)
+                    result.averaging_seconds = self.clock.monotonic() - max(attempt.started, attempt.meets)
                 break
             facts = self._act(action, attempt, result, facts)
         if result.outcome is Outcome.GROUP_FINISHED_WITHOUT_US:
