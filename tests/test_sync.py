@@ -124,6 +124,18 @@ def test_the_round_ends_before_a_step_that_would_end_after_its_planned_end():
     assert not round_clock.over(0) and not RoundClock(RunConfig(), None, None, None, None, clock, None).over(5)
 
 
+def test_a_stretch_holds_until_the_group_agrees_again_and_is_told_once_each_way():
+    clock = FakeClock()
+    run = RunConfig(align_every=0).resolved()
+    round_clock = RoundClock(run, None, None, None, threading.Event(), clock, lambda _: None)
+    assert "stretched the next one to 69 s (2.76x" in round_clock.finish(50, 25.0, 69.0, stretch=2.76)
+    assert round_clock.agreed_end == clock.now + 69.0 and round_clock.stretch == 2.76
+    assert round_clock.finish(50, 25.0, 80.0, stretch=3.2) is None  # still stretched: nothing new to say
+    assert round_clock.finish(50, 25.0, None) is None and round_clock.stretch == 3.2  # adopted, not agreed: kept
+    assert "fit inside a round again: the next one lasts its planned 25 s" in round_clock.finish(50, 25.0, 25.0)
+    assert round_clock.stretch == 1.0
+
+
 def test_lost_members_until_the_retries_run_out_leave_the_state_alone():
     peer = FakePeer()
     peer.train()

@@ -176,15 +176,10 @@ class Peer:
         result = job.wait()
         self.parts.local.thaw()
         sync_seconds = time.monotonic() - (wait_start if self.node.overlap else job.started)
-        if result.applied and (result.stretch > 1.0) != (self.clock.stretch > 1.0):
-            seconds = result.next_round_seconds
-            self.reporter.info(f"syncs take longer than a round: the group stretched the next one to {seconds:.0f} s "
-                               f"({result.stretch:.2f}x its planned length), so that its sync ends inside it"
-                               if result.stretch > 1.0 else
-                               f"syncs fit inside a round again: the next one lasts its planned {seconds:.0f} s")
-        self.clock.finish(job.stats.steps, job.stats.compute_seconds, result.next_round_seconds,
-                          anchor=result.round_end if self.node.overlap else None,
-                          stretch=result.stretch if result.applied else self.clock.stretch)
+        change = self.clock.finish(job.stats.steps, job.stats.compute_seconds, result.next_round_seconds,
+                                   anchor=result.round_end if self.node.overlap else None, stretch=result.stretch)
+        if change:
+            self.reporter.info(change)
         self._drop_resumed_if_merged()
         if result.applied:
             progress.pending_tokens -= job.tokens

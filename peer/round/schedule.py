@@ -119,17 +119,25 @@ class RoundClock:
         self._set_deadline(end, self.clock.dht_time())
 
     def finish(self, steps: int, compute_seconds: float, next_round_seconds: Optional[float],
-               anchor: Optional[float] = None, stretch: float = 1.0) -> None:
+               anchor: Optional[float] = None, stretch: float = 1.0) -> Optional[str]:
         """After the round's sync: update our pace and keep the group's agreed end for the next round, counted
         from ``anchor`` (overlap: the group's agreed end of the round that just ended) or else from now.
-        ``stretch``: that round's length over its planned one; its step budget grows with it."""
-        self.stretch = stretch
+        ``stretch``: that round's length over its planned one; its step budget grows with it. Returns a line for
+        the user when the group begins or stops stretching its rounds (``timing.next_round``)."""
+        change = None
+        if next_round_seconds and (stretch > 1.0) != (self.stretch > 1.0):  # a group's agreement, not an adoption
+            change = (f"syncs take longer than a round: the group stretched the next one to {next_round_seconds:.0f} s "
+                      f"({stretch:.2f}x its planned length), so that its sync ends inside it" if stretch > 1.0 else
+                      f"syncs fit inside a round again: the next one lasts its planned {next_round_seconds:.0f} s")
+        if next_round_seconds:
+            self.stretch = stretch
         if steps:
             # an EMA weighted by the round's share of H, so that one short round does not skew the pace
             seconds, weight = compute_seconds / steps, 0.5 * min(1.0, steps / self.run.round_steps)
             self.step_seconds = seconds if self.step_seconds is None else \
                 (1 - weight) * self.step_seconds + weight * seconds
         self.agreed_end = (anchor or self.clock.dht_time()) + next_round_seconds if next_round_seconds else None
+        return change
 
     def _own_plan(self, now: float) -> Optional[float]:
         pace = self.run.seconds_per_round or (self.step_seconds * self.run.round_steps if self.step_seconds else None)
