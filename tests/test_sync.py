@@ -124,6 +124,16 @@ def test_the_round_ends_before_a_step_that_would_end_after_its_planned_end():
     assert not round_clock.over(0) and not RoundClock(RunConfig(), None, None, None, None, clock, None).over(5)
 
 
+def test_with_overlap_the_next_round_counts_from_the_agreed_end_or_from_a_late_sync():
+    clock = FakeClock()
+    round_clock = RoundClock(RunConfig(align_every=0).resolved(), None, None, None, threading.Event(), clock,
+                             lambda _: None)
+    round_clock.finish(50, 25.0, 60.0, anchor=1000.0, ended=990.0)  # the sync ended inside the round it overlapped
+    assert round_clock.agreed_end == 1060.0
+    round_clock.finish(50, 25.0, 60.0, anchor=1000.0, ended=1040.0)  # it overran that round by 40 s
+    assert round_clock.agreed_end == 1100.0  # a whole round from then, not 20 s of one
+
+
 def test_a_stretch_holds_until_the_group_agrees_again_and_is_told_once_each_way():
     clock = FakeClock()
     run = RunConfig(align_every=0).resolved()

@@ -176,8 +176,10 @@ class Peer:
         result = job.wait()
         self.parts.local.thaw()
         sync_seconds = time.monotonic() - (wait_start if self.node.overlap else job.started)
+        ended = self.clock.clock.dht_time() - (time.monotonic() - job.finished)  # DHT time the sync returned
         change = self.clock.finish(job.stats.steps, job.stats.compute_seconds, result.next_round_seconds,
-                                   anchor=result.round_end if self.node.overlap else None, stretch=result.stretch)
+                                   anchor=result.round_end if self.node.overlap else None, stretch=result.stretch,
+                                   ended=ended)
         if change:
             self.reporter.info(change)
         self._drop_resumed_if_merged()

@@ -119,9 +119,12 @@ class RoundClock:
         self._set_deadline(end, self.clock.dht_time())
 
     def finish(self, steps: int, compute_seconds: float, next_round_seconds: Optional[float],
-               anchor: Optional[float] = None, stretch: float = 1.0) -> Optional[str]:
+               anchor: Optional[float] = None, stretch: float = 1.0,
+               ended: Optional[float] = None) -> Optional[str]:
         """After the round's sync: update our pace and keep the group's agreed end for the next round, counted
-        from ``anchor`` (overlap: the group's agreed end of the round that just ended) or else from now.
+        from ``anchor`` (overlap: the group's agreed end of the round that just ended) or else from now. With
+        overlap, a sync that ``ended`` (DHT time) after that end counts from its own end: the round after it
+        starts only then, and counted from the agreed end it would lose what the sync overran, round after round.
         ``stretch``: that round's length over its planned one; its step budget grows with it. Returns a line for
         the user when the group begins or stops stretching its rounds (``timing.next_round``)."""
         change = None
@@ -136,6 +139,8 @@ class RoundClock:
             seconds, weight = compute_seconds / steps, 0.5 * min(1.0, steps / self.run.round_steps)
             self.step_seconds = seconds if self.step_seconds is None else \
                 (1 - weight) * self.step_seconds + weight * seconds
+        if anchor is not None and ended is not None:
+            anchor = max(anchor, ended)
         self.agreed_end = (anchor or self.clock.dht_time()) + next_round_seconds if next_round_seconds else None
         return change
 
