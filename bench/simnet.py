@@ -425,10 +425,10 @@ class SimTransport:
         return [p.peer_id for p in holders], metadata, tensors
 
     def prepare(self, epoch, state_hash, min_group, expected_group, allreduce_timeout, part_timeout, probe,
-                phase="group", group=-1, meet_at=None) -> None:
+                phase="group", group=-1, meet_at=None, grace=None) -> None:
         suffix = "cross" if phase == "cross" else ("" if group < 0 else f"g{group}")
         self.prepared = dict(key=f"{epoch}:{state_hash}:{suffix}", target=expected_group, min_group=min_group,
-                             phase=phase, probe=tuple(probe), meet_at=meet_at)
+                             phase=phase, probe=tuple(probe), meet_at=meet_at, grace=grace or self.grace)
         self.peer.result_key = f"{self.peer.peer_id}/{epoch}:{state_hash}"  # each delegate serves its own
         if phase == "cross":
             self.network.result(self.peer.result_key)
@@ -436,7 +436,7 @@ class SimTransport:
     def average(self, word, weight: float, timeout: float, abandon=lambda: False) -> Averaged:
         prepared = self.prepared
         early = max(0.0, (prepared["meet_at"] or 0.0) - self.scheduler.now)
-        window = early + self.grace * (2 if prepared["phase"] == "cross" else 1)
+        window = early + prepared["grace"] * (2 if prepared["phase"] == "cross" else 1)
         member = self.network.join(self.peer, prepared["key"], prepared["target"], prepared["min_group"], window,
                                    prepared["phase"], word, weight, prepared["probe"])
         deadline = self.scheduler.now + timeout

@@ -383,6 +383,19 @@ def test_with_overlap_a_group_whose_syncs_outlast_its_rounds_stretches_the_next_
     assert peer.synchronizer.sync_seconds == 40.0  # a moving average of our applied syncs' lengths
 
 
+def test_a_group_waits_longer_for_its_members_where_syncs_are_long():
+    # members of one all-reduce on a thin link get its last parts seconds apart, and meet again as far apart
+    peer = FakePeer()
+    grace = peer.run.grace_seconds
+    for seconds in (2.0, 120.0, 120.0):
+        peer.train()
+        holder(peer)
+        peer.transport.scripts.append(with_group(("a", theirs(peer)), seconds=seconds))
+        peer.sync()
+    assert [p["grace"] for p in peer.transport.prepared] == [grace, grace, max(grace, 0.25 * 61.0)]
+    assert peer.synchronizer.round_budget() > peer.sync_config.round_budget(grace, peer.deadlines.allreduce())
+
+
 def test_without_overlap_a_sync_tells_no_length_and_rounds_keep_their_plan():
     peer = FakePeer()
     for _ in range(2):

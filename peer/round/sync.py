@@ -42,7 +42,7 @@ from peer.swarm.consensus import SYNCING, peers_ahead, responsive
 from peer.swarm.deadlines import Deadlines
 from peer.swarm.metadata import Averaged, Contribution
 from peer.swarm.records import RecordCache
-from peer.swarm.timing import next_round, round_end
+from peer.swarm.timing import matchmaking_grace, next_round, round_end
 from peer.train.flat import FlatLayout
 from peer.train.local import LocalModel
 
@@ -106,8 +106,8 @@ class Synchronizer:
         self.lock, self.deadlines, self.run, self.config = lock, deadlines, run, sync
         self.has_moment, self.hooks, self.initial_peer_ids = has_moment, hooks, tuple(initial_peer_ids)
         self.step_seconds: Optional[float] = None
-        # overlap: how long the attempts that applied took, from their start to the outer step (a moving average;
-        # not the catch-up before them, nor failed attempts)
+        # how long the attempts that applied took, from their start to the outer step (a moving average; not the
+        # catch-up before them, nor failed attempts); told to the group with overlap
         self.sync_seconds: Optional[float] = None
         self.overlapped = False
         # rounds in a row we sat at this epoch without applying: what the escapes from waiting count (not the
@@ -145,7 +145,7 @@ class Synchronizer:
         result.waited, result.deadline = early, budget
         self.stuck = 0 if result.applied or result.rebased else self.stuck + 1
         seconds = result.averaging_seconds
-        if seconds is not None and overlapped:  # how long our syncs take (``timing.next_round``)
+        if seconds is not None:  # how long our syncs take (``timing.next_round``, ``timing.matchmaking_grace``)
             self.sync_seconds = seconds if self.sync_seconds is None else 0.5 * (self.sync_seconds + seconds)
         return result
 
@@ -220,7 +220,7 @@ class Synchronizer:
         if action.do is Do.AVERAGE:
             return self._average(action, attempt)
         if action.do is Do.SETTLE:
-            their_end = attempt.started + self.run.grace_seconds + self.deadlines.allreduce(1 + attempt.align)
+            their_end = attempt.started + self.grace() + self.deadlines.allreduce(1 + attempt.align)
             found, spent = self.catchup.settle(min(attempt.deadline, their_end), attempt.deadline, result.attempts)
             result.attempts += spent
             result.rebased = result.rebased or found.adopted  # (a retry may still apply, at the adopted state)
@@ -256,7 +256,8 @@ class Synchronizer:
             self.transport.prepare(mine.epoch, mine.state_hash, max(2, self.run.quorum), action.target,
                                    allreduce_timeout=self.deadlines.allreduce(size),
                                    part_timeout=self.deadlines.part(size), probe=action.probe, group=action.group,
-                                   meet_at=attempt.meet_at if attempt.tries == 1 else None)  # a retry: from now
+                                   meet_at=attempt.meet_at if attempt.tries == 1 else None,  # a retry: from now
+                                   grace=self.grace())
             self.hooks.at(MATCHMAKING, self.state.epoch)
             contribution = dataclasses.replace(contribution, planned_end=attempt.planned_end())
             attempt.averaged = self.transport.average(contribution, contribution.weight,
@@ -364,7 +365,11 @@ class Synchronizer:
 
     def round_budget(self) -> float:
         """The longest this round's sync may block us, retries included, at the current deadlines."""
-        return self.config.round_budget(self.run.grace_seconds, self.deadlines.allreduce())
+        return self.config.round_budget(self.grace(), self.deadlines.allreduce())
+
+    def grace(self) -> float:
+        """The matchmaking window past the planned meeting: longer on a link whose syncs are long."""
+        return matchmaking_grace(self.run.grace_seconds, self.sync_seconds)
 
     def drop_unmerged(self) -> None:
         """Past the staleness bound: forget our unmerged work and train from the global state again."""

@@ -55,11 +55,11 @@ class Transport(Protocol):
 
     def prepare(self, epoch: int, state_hash: str, min_group: int, expected_group: int, allreduce_timeout: float,
                 part_timeout: float, probe: Sequence[str], phase: str = GROUP, group: int = -1,
-                meet_at: Optional[float] = None) -> None:
+                meet_at: Optional[float] = None, grace: Optional[float] = None) -> None:
         """This attempt's group key, expected group and deadlines (``SwarmAverager.prepare_round``); ``phase``: in
         our group (``group``: which of a round's groups; -1: one group of all), or across the groups' delegates
         (``CROSS``); ``meet_at``: the DHT time the group planned to meet, from which the matchmaking window runs
-        if it is later than now."""
+        if it is later than now; ``grace``: that window's length (None: ``--grace-seconds``)."""
 
     def average(self, contribution: Union[Contribution, Delegation], weight: float, timeout: float,
                 abandon: Callable[[], bool] = lambda: False) -> Averaged:
@@ -102,6 +102,7 @@ class SwarmTransport:
         self.dht, self.averager, self.namespace, self.grace_seconds = dht, averager, namespace, grace_seconds
         self.phase = GROUP  # the phase the last ``prepare`` set up
         self.meet_at: Optional[float] = None  # and when its window starts (None: at once)
+        self.grace = grace_seconds  # and how long it lasts
         self.publisher = RecordPublisher(dht, namespace)
         self.answered = self.publisher.answered
 
@@ -127,8 +128,8 @@ class SwarmTransport:
 
     def prepare(self, epoch: int, state_hash: str, min_group: int, expected_group: int, allreduce_timeout: float,
                 part_timeout: float, probe: Sequence[str], phase: str = GROUP, group: int = -1,
-                meet_at: Optional[float] = None) -> None:
-        self.meet_at = meet_at
+                meet_at: Optional[float] = None, grace: Optional[float] = None) -> None:
+        self.meet_at, self.grace = meet_at, grace or self.grace_seconds
         self.averager.prepare_round(epoch, state_hash, min_group, expected_group, allreduce_timeout=allreduce_timeout,
                                     part_timeout=part_timeout, probe=probe, phase=phase, group=group)
         self.phase = phase
@@ -184,7 +185,7 @@ class SwarmTransport:
         # the delegates of a round's groups meet as their groups finish: a left-over peer, its own delegate, learns
         # it is left over only when its group window ends, and must still find the others waiting
         now = get_dht_time()
-        window = max(self.meet_at or now, now) - now + self.grace_seconds * (CROSS_WINDOW if self.phase == CROSS else 1)
+        window = max(self.meet_at or now, now) - now + self.grace * (CROSS_WINDOW if self.phase == CROSS else 1)
         control = self.averager.step(
             gather=contribution.to_wire(), weight=float(weight), scheduled_time=now + window,
             timeout=window + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False,

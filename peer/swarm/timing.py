@@ -20,6 +20,7 @@ from peer.swarm.consensus import peers_with_state
 from peer.swarm.metadata import Gathered
 
 SYNC_HEADROOM = 1.15  # a stretched round outlasts the members' median sync by this factor
+GRACE_SHARE = 0.25  # the matchmaking window is at least this share of a peer's recent syncs
 MAX_STRETCH = 4.0  # at most this many times a round's planned length (beyond: the link is too thin for the run)
 
 
@@ -35,6 +36,15 @@ def next_round(gathered: Gathered, round_seconds: float, inner_steps: int) -> Tu
         return planned, 1.0
     seconds = min(MAX_STRETCH * planned, max(planned, SYNC_HEADROOM * statistics.median(syncs)))
     return seconds, seconds / planned
+
+
+def matchmaking_grace(grace_seconds: float, sync_seconds: Optional[float]) -> float:
+    """How long a group waits past its planned meeting for its members: ``--grace-seconds``, or a quarter of our
+    recent syncs if longer. The members of one all-reduce receive its last parts up to the time a reducer takes
+    to send them all (on a 1 Mbit/s link, 10-15 s apart), and each counts its next round from then: a 5-s window
+    missed the last of them. A full group begins at once, so the longer window costs time only when a member is
+    missing."""
+    return max(grace_seconds, GRACE_SHARE * sync_seconds) if sync_seconds else grace_seconds
 
 
 def round_end(gathered: Gathered) -> Optional[float]:
