@@ -396,6 +396,30 @@ def test_a_group_waits_longer_for_its_members_where_syncs_are_long():
     assert peer.synchronizer.round_budget() > peer.sync_config.round_budget(grace, peer.deadlines.allreduce())
 
 
+def test_a_late_sync_waits_for_its_last_groupmates_to_publish_their_new_state():
+    # the last sync overran the round it overlapped; b got its last parts a few seconds after us
+    peer = FakePeer()
+    peer.train()
+    holder(peer, "a"), holder(peer, "b")
+    peer.transport.scripts.append(with_group(("a", theirs(peer)), ("b", theirs(peer))))
+    assert peer.sync().group == ("a", "b", "me")
+    peer.train()
+    holder(peer, "a")  # a published our new state; b's record still shows the old one
+    reads, plain = [], peer.transport.read_records
+
+    def read_records(timeout):
+        reads.append(peer.clock.now)
+        if len(reads) == 3:
+            holder(peer, "b")
+        return plain(timeout)
+
+    peer.transport.read_records = read_records
+    peer.transport.scripts.append(with_group(("a", theirs(peer)), ("b", theirs(peer))))
+    result = peer.sync(meet_at=peer.clock.now - 10.0)
+    assert result.applied and peer.transport.prepared[-1]["expected"] == 3  # not a minority of a and us
+    assert reads[2] - reads[0] == 2.0  # read every second until b was at our state
+
+
 def test_without_overlap_a_sync_tells_no_length_and_rounds_keep_their_plan():
     peer = FakePeer()
     for _ in range(2):

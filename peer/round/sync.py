@@ -48,6 +48,8 @@ from peer.train.local import LocalModel
 
 logger = logging.getLogger(__name__)
 
+LATE_SLACK = 1.0  # seconds past its planned meeting at which a sync counts as late (its last one overran)
+GROUPMATE_POLL = 1.0  # seconds between reads of the records while a late sync waits for its groupmates
 REBASED = (Outcome.CAUGHT_UP, Outcome.MISSED_GROUP, Outcome.MINORITY_ADOPTED, Outcome.GROUP_FINISHED_WITHOUT_US)
 
 
@@ -110,6 +112,7 @@ class Synchronizer:
         # catch-up before them, nor failed attempts); told to the group with overlap
         self.sync_seconds: Optional[float] = None
         self.overlapped = False
+        self.last_group: Tuple[str, ...] = ()  # the members of the last group whose round we applied
         # rounds in a row we sat at this epoch without applying: what the escapes from waiting count (not the
         # unmerged rounds, which include rounds lost catching up; a peer that just adopted the swarm's state is
         # not stalled, and once counted as such it forked a majority still at work)
@@ -139,15 +142,34 @@ class Synchronizer:
             self.stuck, self.stuck_epoch = 0, self.state.epoch
         early = max(0.0, meet_at - self.clock.dht_time()) if meet_at is not None else 0.0
         budget += early
+        late = meet_at is not None and self.clock.dht_time() > meet_at + LATE_SLACK
+        if late and self.last_group:
+            self._await_groupmates(self.clock.monotonic() + self.grace())
         attempt = _Attempt(tokens, missed_rounds, self.clock.monotonic() + budget, planned_end, meet_at=meet_at,
                            meets=self.clock.monotonic() + early)
         result = self._sync(attempt, budget)
+        if result.applied:
+            self.last_group = result.group
         result.waited, result.deadline = early, budget
         self.stuck = 0 if result.applied or result.rebased else self.stuck + 1
         seconds = result.averaging_seconds
         if seconds is not None:  # how long our syncs take (``timing.next_round``, ``timing.matchmaking_grace``)
             self.sync_seconds = seconds if self.sync_seconds is None else 0.5 * (self.sync_seconds + seconds)
         return result
+
+    def _await_groupmates(self, until: float) -> None:
+        """This sync starts after its group's planned meeting: the last one overran the round it overlapped, and
+        its members got its last parts some seconds apart. Until they publish the state it made, a read of the
+        records shows them behind us, and we would form a group without them (a minority of 2, seen on a 1 Mbit/s
+        link every other round). Wait for them, until ``until``: each is at our state, ahead, silent or gone."""
+        mine = self.announcer.record()
+        waiting = set(self.last_group) - {mine.peer_id}
+        while waiting and self.clock.monotonic() < until:
+            records, now = self.catchup.refresh(), self.clock.dht_time()
+            waiting = {peer for peer in waiting if peer in records and records[peer].epoch < mine.epoch
+                       and responsive(records[peer], now)}
+            if waiting:
+                self.clock.sleep(GROUPMATE_POLL)
 
     def _sync(self, attempt: _Attempt, budget: float) -> SyncResult:
         result = SyncResult()
