@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Dict, List, Optional, Set, Tuple, Union
 
 import torch
 from diloco_compression.feedback import ErrorFeedback
@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 SETTLE_SECONDS, SETTLE_POLL = 2.0, 0.25  # how long a failed member looks for its group's finished state
 LOOKUP_TIMEOUT = 2.0  # seconds a look at the swarm's records may block training (a partition slows the DHT)
 REPLAY_ROUNDS = 8  # rounds a peer this far behind replays rather than downloads (as many as a member serves)
+MEMBER_POLL = 1.0  # seconds between reads of the records while a late sync waits for its last groupmates
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,17 @@ class StateCatchUp:
         """Are the holders of our state in a sync now (``consensus.syncing_now``)? A fresh look: records read before
         a download predate it."""
         return bool(syncing_now(self.refresh().values(), self.announcer.record(), self.clock.dht_time()))
+
+    def await_members(self, members: Set[str], until: float) -> None:
+        """Read the records every ``MEMBER_POLL`` seconds until each of ``members`` holds our epoch or later, is
+        silent or gone, or ``until`` (monotonic) passes."""
+        epoch = self.announcer.record().epoch
+        while members and self.clock.monotonic() < until:
+            records, now = self.refresh(), self.clock.dht_time()
+            members = {peer for peer in members if peer in records and records[peer].epoch < epoch
+                       and responsive(records[peer], now)}
+            if members:
+                self.clock.sleep(MEMBER_POLL)
 
     def catch_up(self, timeout: float, attempted_epoch: Optional[int] = None) -> CatchUp:
         """Adopt the swarm's best state if it beats ours. ``attempted_epoch``: we just sent our delta in an

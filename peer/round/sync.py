@@ -49,7 +49,6 @@ from peer.train.local import LocalModel
 logger = logging.getLogger(__name__)
 
 LATE_SLACK = 1.0  # seconds past its planned meeting at which a sync counts as late (its last one overran)
-GROUPMATE_POLL = 1.0  # seconds between reads of the records while a late sync waits for its groupmates
 REBASED = (Outcome.CAUGHT_UP, Outcome.MISSED_GROUP, Outcome.MINORITY_ADOPTED, Outcome.GROUP_FINISHED_WITHOUT_US)
 
 
@@ -85,6 +84,7 @@ class _Attempt:
     planned_end: Callable[[], Optional[float]]
     meet_at: Optional[float] = None  # DHT time our group planned to meet: the first attempt's windows run from it
     meets: float = 0.0  # the same, in monotonic time
+    overlapped: bool = False  # the sync runs while the next round trains: we tell the group our syncs' length
     recovered: int = 0  # carried tokens this sync took from the lineage
     align: bool = False
     started: float = 0.0
@@ -111,7 +111,6 @@ class Synchronizer:
         # how long the attempts that applied took, from their start to the outer step (a moving average; not the
         # catch-up before them, nor failed attempts); told to the group with overlap
         self.sync_seconds: Optional[float] = None
-        self.overlapped = False
         self.last_group: Tuple[str, ...] = ()  # the members of the last group whose round we applied
         # rounds in a row we sat at this epoch without applying: what the escapes from waiting count (not the
         # unmerged rounds, which include rounds lost catching up; a peer that just adopted the swarm's state is
@@ -137,16 +136,19 @@ class Synchronizer:
         ``overlapped``: this sync runs while the next round trains; the group stretches that round if its syncs
         take longer (``timing.next_round``).
         """
-        self.step_seconds, self.overlapped = step_seconds, overlapped
+        self.step_seconds = step_seconds
         if self.state.epoch != self.stuck_epoch:
             self.stuck, self.stuck_epoch = 0, self.state.epoch
         early = max(0.0, meet_at - self.clock.dht_time()) if meet_at is not None else 0.0
         budget += early
         late = meet_at is not None and self.clock.dht_time() > meet_at + LATE_SLACK
         if late and self.last_group:
-            self._await_groupmates(self.clock.monotonic() + self.grace())
+            # they got the last round's parts seconds apart: read at once, their records show them behind us, and
+            # we would form a group without them (a minority of 2, every other round on a 1 Mbit/s link)
+            self.catchup.await_members(set(self.last_group) - {self.announcer.identity.peer_id},
+                                       self.clock.monotonic() + self.grace())
         attempt = _Attempt(tokens, missed_rounds, self.clock.monotonic() + budget, planned_end, meet_at=meet_at,
-                           meets=self.clock.monotonic() + early)
+                           meets=self.clock.monotonic() + early, overlapped=overlapped)
         result = self._sync(attempt, budget)
         if result.applied:
             self.last_group = result.group
@@ -156,20 +158,6 @@ class Synchronizer:
         if seconds is not None:  # how long our syncs take (``timing.next_round``, ``timing.matchmaking_grace``)
             self.sync_seconds = seconds if self.sync_seconds is None else 0.5 * (self.sync_seconds + seconds)
         return result
-
-    def _await_groupmates(self, until: float) -> None:
-        """This sync starts after its group's planned meeting: the last one overran the round it overlapped, and
-        its members got its last parts some seconds apart. Until they publish the state it made, a read of the
-        records shows them behind us, and we would form a group without them (a minority of 2, seen on a 1 Mbit/s
-        link every other round). Wait for them, until ``until``: each is at our state, ahead, silent or gone."""
-        mine = self.announcer.record()
-        waiting = set(self.last_group) - {mine.peer_id}
-        while waiting and self.clock.monotonic() < until:
-            records, now = self.catchup.refresh(), self.clock.dht_time()
-            waiting = {peer for peer in waiting if peer in records and records[peer].epoch < mine.epoch
-                       and responsive(records[peer], now)}
-            if waiting:
-                self.clock.sleep(GROUPMATE_POLL)
 
     def _sync(self, attempt: _Attempt, budget: float) -> SyncResult:
         result = SyncResult()
@@ -296,7 +284,7 @@ class Synchronizer:
         mine = self.announcer.record()
         return Contribution(epoch=mine.epoch, hash=mine.state_hash, tokens=attempt.tokens, align=attempt.align,
                             step_seconds=self.step_seconds, missed=self.stuck, voters=action.voters,
-                            sync_seconds=self.sync_seconds if self.overlapped else None,
+                            sync_seconds=self.sync_seconds if attempt.overlapped else None,
                             weight=attempt.tokens * self.run.stale_discount ** attempt.missed_rounds,
                             groups=action.groups, client=self.announcer.identity.client_mode)
 
