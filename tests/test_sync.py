@@ -415,9 +415,12 @@ def test_a_late_sync_waits_for_its_last_groupmates_to_publish_their_new_state():
 
     peer.transport.read_records = read_records
     peer.transport.scripts.append(with_group(("a", theirs(peer)), ("b", theirs(peer))))
-    result = peer.sync(meet_at=peer.clock.now - 10.0)
+    budget = peer.synchronizer.round_budget()
+    result = peer.sync(budget=budget, meet_at=peer.clock.now - 10.0)
     assert result.applied and peer.transport.prepared[-1]["expected"] == 3  # not a minority of a and us
     assert reads[2] - reads[0] == 2.0  # read every second until b was at our state
+    # the wait is the sync's: counted in what it waited and in the longest it could block us
+    assert result.waited == 2.0 and result.deadline == budget + 2.0
 
 
 def test_without_overlap_a_sync_tells_no_length_and_rounds_keep_their_plan():

@@ -69,7 +69,7 @@ class SyncResult:
     offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
     reduced: float = 0.0  # the fraction of the group's vector we reduced in the all-reduce that applied
     groups: int = 0  # the groups whose work the applied round merged (1: one group; 0: none applied)
-    waited: float = 0.0  # seconds spent waiting for the group's planned meeting time (``meet_at``)
+    waited: float = 0.0  # seconds spent waiting for the planned meeting time (``meet_at``) or a late one's groupmates
     catch_up_seconds: float = 0.0  # seconds the opening catch-up took (a download when the swarm moved on)
     deadline: float = 0.0  # the longest this sync could run: its budget plus ``waited``
 
@@ -142,17 +142,19 @@ class Synchronizer:
         early = max(0.0, meet_at - self.clock.dht_time()) if meet_at is not None else 0.0
         budget += early
         late = meet_at is not None and self.clock.dht_time() > meet_at + LATE_SLACK
+        awaited = 0.0
         if late and self.last_group:
             # they got the last round's parts seconds apart: read at once, their records show them behind us, and
             # we would form a group without them (a minority of 2, every other round on a 1 Mbit/s link)
-            self.catchup.await_members(set(self.last_group) - {self.announcer.identity.peer_id},
-                                       self.clock.monotonic() + self.grace())
+            began = self.clock.monotonic()
+            self.catchup.await_members(set(self.last_group) - {self.announcer.identity.peer_id}, began + self.grace())
+            awaited = self.clock.monotonic() - began
         attempt = _Attempt(tokens, missed_rounds, self.clock.monotonic() + budget, planned_end, meet_at=meet_at,
                            meets=self.clock.monotonic() + early, overlapped=overlapped)
         result = self._sync(attempt, budget)
         if result.applied:
             self.last_group = result.group
-        result.waited, result.deadline = early, budget
+        result.waited, result.deadline = early + awaited, budget + awaited
         self.stuck = 0 if result.applied or result.rebased else self.stuck + 1
         seconds = result.averaging_seconds
         if seconds is not None:  # how long our syncs take (``timing.next_round``, ``timing.matchmaking_grace``)
