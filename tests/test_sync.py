@@ -373,6 +373,7 @@ def test_with_overlap_a_group_whose_syncs_outlast_its_rounds_stretches_the_next_
     first = peer.sync(step_seconds=0.5, planned_end=lambda: 1010.0, overlapped=True)
     assert first.applied and first.stretch == 1.0  # nobody knew how long a sync takes yet
     assert first.averaging_seconds == 50.0  # the attempt that applied: not the one that failed before it
+    assert first.allreduce_seconds == 1.0  # of which the fake's all-reduce, from its group formed, took 1 s
     peer.train()
     holder(peer)
     peer.transport.scripts.append(with_group(("a", theirs(peer, step_seconds=0.5, sync_seconds=70.0)), seconds=30.0))

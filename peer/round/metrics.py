@@ -24,5 +24,6 @@ def round_record(parts, job, result, sync_seconds: float, eval_loss: Optional[fl
         overlap=overlap, sync_wall_seconds=job.finished - job.started,
         sync_deadline=result.deadline, sync_waited_seconds=result.waited,
         sync_catch_up_seconds=result.catch_up_seconds, sync_averaging_seconds=result.averaging_seconds,
+        sync_allreduce_seconds=result.allreduce_seconds,
         next_round_seconds=result.next_round_seconds, round_stretch=result.stretch,
     )

@@ -65,6 +65,7 @@ class SyncResult:
     next_round_seconds: Optional[float] = None  # the group's agreed length of the next inner phase
     stretch: float = 1.0  # that length over the planned one: above 1 when syncs outlast rounds (overlap)
     averaging_seconds: Optional[float] = None  # the group's attempt that applied, from its start: what overlap times
+    allreduce_seconds: Optional[float] = None  # of that attempt, from its group formed: the rest was matchmaking
     round_end: Optional[float] = None  # overlap: the group's agreed end (DHT time) of the round in progress
     offences: Dict[str, List[str]] = dataclasses.field(default_factory=dict)  # peer -> its bad parts we reduced
     reduced: float = 0.0  # the fraction of the group's vector we reduced in the all-reduce that applied
@@ -184,6 +185,7 @@ class Synchronizer:
                 self._apply(attempt.averaged, result)
                 if result.applied:  # the attempt that applied, from its start (or the planned meeting, if later)
                     result.averaging_seconds = self.clock.monotonic() - max(attempt.started, attempt.meets)
+                    result.allreduce_seconds = attempt.averaged.seconds
                 break
             facts = self._act(action, attempt, result, facts)
         if result.outcome is Outcome.GROUP_FINISHED_WITHOUT_US:
