@@ -135,7 +135,7 @@ class SimPeer:
                 self.pending_tokens -= tokens
                 self.pending_rounds -= rounds
             elif self.pending_rounds > swarm.run.max_staleness:
-                self.synchronizer.drop_unmerged()
+                self.synchronizer.outer.drop_unmerged()
                 self.pending_tokens = self.pending_rounds = 0
             swarm.rows.append(dict(peer=self.peer_id, time=scheduler.now, epoch=self.state.epoch,
                                    applied=result.applied, outcome=result.outcome.value if result.outcome else None,

@@ -2,6 +2,7 @@
 
 - ``decide.py``     the round's decisions as one pure function over a typed view: ``decide(view) -> Action``
 - ``sync.py``       ``Synchronizer``: one round's sync, acting on those decisions (attempt, average, apply)
+- ``outer.py``      ``OuterStep``: this peer's side of the outer step (the delta it sends, the step it applies)
 - ``cross.py``      ``Crossing``: a round of many groups past our group's all-reduce (cross as delegate, receive)
 - ``catchup.py``    adopting a better state: download, hash check, rebase; settling; handing over on leaving
 - ``announce.py``   our record: our state and what we say (schedule, status, the state we download)

@@ -165,7 +165,7 @@ class Peer:
 
         if overlap:
             self.parts.local.freeze(with_moments=synchronizer.has_moment)
-            self.parts.local.start(synchronizer.eager_target())
+            self.parts.local.start(synchronizer.outer.eager_target())
             clock.planned.clear()
         job.start(sync, background=overlap)
         return job
@@ -189,7 +189,7 @@ class Peer:
         elif progress.pending_rounds > run.max_staleness:
             self.reporter.info(f"{progress.pending_rounds} rounds of work went unmerged, past --max-staleness "
                                f"{run.max_staleness}: dropping them and resyncing to the global state")
-            self.parts.synchronizer.drop_unmerged()
+            self.parts.synchronizer.outer.drop_unmerged()
             progress.pending_tokens = progress.pending_rounds = 0
         progress.rounds += 1
         progress.last_loss = job.stats.loss

@@ -29,10 +29,9 @@ from diloco_compression.feedback import ErrorFeedback
 from dht.errors import first_line
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import MATCHMAKING, Hooks
-from peer.outer.fragments import Fragments
 from peer.outer.lineage import Lineage
-from peer.outer.nesterov import nesterov_step
-from peer.outer.state import GlobalState, merge_contributors
+from peer.outer.state import GlobalState
+from peer.round.outer import OuterStep
 from peer.round.announce import Announcer
 from peer.round.catchup import StateCatchUp
 from peer.round.cross import Crossing
@@ -105,7 +104,7 @@ class Synchronizer:
                  sync: SyncConfig, has_moment: bool, hooks: Hooks, initial_peer_ids: Sequence[str] = ()):
         self.transport, self.clock, self.cache, self.announcer = transport, clock, cache, announcer
         self.catchup = catchup
-        self.state, self.local, self.layout, self.lineage, self.feedback = state, local, layout, lineage, feedback
+        self.state, self.lineage = state, lineage
         self.lock, self.deadlines, self.run, self.config = lock, deadlines, run, sync
         self.has_moment, self.hooks, self.initial_peer_ids = has_moment, hooks, tuple(initial_peer_ids)
         self.step_seconds: Optional[float] = None
@@ -118,7 +117,8 @@ class Synchronizer:
         # not stalled, and once counted as such it forked a majority still at work)
         self.stuck, self.stuck_epoch = 0, -1
         self.crossing = Crossing(transport, clock, announcer, deadlines, run, moved_on=self._moved_on)
-        self.fragments = Fragments(layout.numel, run.fragments)
+        self.outer = OuterStep(state, local, layout, lineage, feedback, lock, run, buffers=transport.buffers,
+                               outgoing=hooks.outgoing)
 
     # ---- one round ----
     def sync(self, tokens: int, budget: float, missed_rounds: int = 0, step_seconds: Optional[float] = None,
@@ -255,8 +255,9 @@ class Synchronizer:
             attempt.tokens += attempt.recovered
         result.attempts += 1
         # every k-th outer step of the fragment this round averages (of the whole model without fragments)
-        attempt.align = self.has_moment and (self.state.epoch // self.fragments.count + 1) % self.run.align_every == 0
-        finite = self._fill_buffers(attempt.align)
+        steps = self.state.epoch // self.outer.fragments.count + 1
+        attempt.align = self.has_moment and steps % self.run.align_every == 0
+        finite = self.outer.write(attempt.align)
         if finite and action.refresh:  # a retry: who is alive now, not when this sync began
             self.catchup.refresh()
         return dict(phase=Phase.READY, finite=finite)
@@ -292,27 +293,7 @@ class Synchronizer:
                             weight=attempt.tokens * self.run.stale_discount ** attempt.missed_rounds,
                             groups=action.groups, client=self.announcer.identity.client_mode)
 
-    # ---- buffers and the outer step ----
-    def part(self) -> slice:
-        """The fragment of the flat vector the round closing our epoch averages (all of it without fragments)."""
-        return self.fragments.of(self.state.epoch)
-
-    def _fill_buffers(self, align: bool) -> bool:
-        part, whole = self.part(), self.fragments.whole()
-        with self.transport.buffers() as tensors:
-            delta = tensors[0]  # one fragment long: the whole vector is written straight into it without fragments
-            own = self.lineage.own_delta(self.state.params, self.local.gather(delta if whole else self.layout.empty()))
-            if align:
-                _fill(tensors[1], self.local.gather_moments(tensors[1] if whole else self.layout.empty())[part])
-            if torch.isfinite(own).all():
-                # what we send: delta + residual, quantized; a shorter last fragment pads with zeros
-                _fill(delta, own[part], lambda values, out: self.feedback.fragment(part).quantize(values, out=out))
-                self.hooks.outgoing(delta)
-                return True
-        logger.error("the local model diverged (non-finite pseudo-gradient); resetting it to the global state")
-        self.local.set(self.state.params)
-        return False
-
+    # ---- the outer step ----
     def _apply_alone(self, tokens: int, result: SyncResult) -> None:
         mine = self.announcer.record()
         alone = Contribution(epoch=mine.epoch, hash=mine.state_hash, tokens=tokens, step_seconds=self.step_seconds)
@@ -325,57 +306,25 @@ class Synchronizer:
 
     def _apply(self, averaged: Averaged, result: SyncResult) -> None:
         """The outer step on the averaged pseudo-gradient, bit-identical on every member."""
-        gathered, peer_id, part = averaged.gathered, self.announcer.identity.peer_id, self.part()
-        sent = self.lineage.own_delta(self.state.params, self.local.gather(self.layout.empty()))[part]
-        self.feedback.fragment(part).commit(sent)  # sent becomes what we sent; the residual keeps the rest
-        with self.lock, self.transport.buffers() as tensors:
-            average = tensors[0][: sent.numel()]
-            if not torch.isfinite(average).all():
-                result.outcome = Outcome.AVERAGE_NOT_FINITE
-                result.error = describe(result.outcome)
-                return
-            self.lineage.merged(self.state.epoch, sent, gathered[peer_id].tokens, offset=part.start or 0)
-            nesterov_step(self.state.params[part], self.state.momentum[part], average, self.outer_lr(),
-                          self.outer_momentum())
-            if averaged.aligned:
-                self.local.load_first_moments(tensors[1][: sent.numel()], part)
-            self.state.merged = merge_contributors(self.state.merged, gathered, self.state.epoch)
-            self.state.epoch += 1
-            self.state.tokens_total += averaged.group_tokens()
-            # theta <- G (with overlap: plus the steps taken since), in the fragment the step changed
-            self.local.set(self.state.params, part)
+        if not self.outer.take(averaged.gathered, self.announcer.identity.peer_id, averaged.aligned,
+                               averaged.group_tokens()):
+            result.outcome = Outcome.AVERAGE_NOT_FINITE
+            result.error = describe(result.outcome)
+            return
         result.applied, result.aligned, result.offences = True, averaged.aligned, dict(averaged.offences)
         result.reduced = averaged.reduced
         result.groups = averaged.groups
         result.outcome, result.error = Outcome.APPLIED, None
-        result.group, result.group_tokens = tuple(sorted(gathered)), averaged.group_tokens()
-        result.next_round_seconds, result.stretch = next_round(gathered, self.run.seconds_per_round,
+        result.group, result.group_tokens = tuple(sorted(averaged.gathered)), averaged.group_tokens()
+        result.next_round_seconds, result.stretch = next_round(averaged.gathered, self.run.seconds_per_round,
                                                                self.run.round_steps)
-        result.round_end = round_end(gathered)
+        result.round_end = round_end(averaged.gathered)
         self.announcer.republish()  # at once: a groupmate whose attempt failed late looks for this state (settle)
 
     # ---- for the node ----
-    def outer_lr(self) -> float:
-        """The outer lr of the step from our epoch to the next."""
-        return self.run.outer_lr_at(self.run.global_step(self.state.epoch))
-
-    def outer_momentum(self) -> float:
-        """The outer momentum of that step."""
-        return self.run.outer_momentum_at(self.run.global_step(self.state.epoch))
-
     def producers(self) -> List[str]:
         """The peers whose deltas our state's last outer step merged."""
         return [peer for peer, epoch in self.state.merged.items() if epoch == self.state.epoch - 1]
-
-    def eager_target(self) -> torch.Tensor:
-        """With overlap, where the next round starts: the outer step we would take with our own pseudo-gradient
-        (from theta as frozen at the round's end) in place of the group's average (peer/train/local.py). With
-        fragments, only the fragment the round averages takes that step; the rest of theta trains on as it is."""
-        part, theta = self.part(), self.local.gather(self.layout.empty())
-        params, momentum = self.state.params[part].clone(), self.state.momentum[part].clone()
-        nesterov_step(params, momentum, torch.sub(params, theta[part]), self.outer_lr(), self.outer_momentum())
-        theta[part] = params
-        return theta
 
     def round_budget(self) -> float:
         """The longest this round's sync may block us, retries included, at the current deadlines."""
@@ -385,14 +334,4 @@ class Synchronizer:
         """The matchmaking window past the planned meeting: longer on a link whose syncs are long."""
         return matchmaking_grace(self.run.grace_seconds, self.sync_seconds)
 
-    def drop_unmerged(self) -> None:
-        """Past the staleness bound: forget our unmerged work and train from the global state again."""
-        with self.lock:
-            self.local.set(self.state.params)
-            self.lineage.drop()
 
-
-def _fill(buffer: torch.Tensor, values: torch.Tensor, write=lambda values, out: out.copy_(values)) -> None:
-    """``buffer`` <- ``values`` (one fragment, maybe shorter than the buffer), zeros after them."""
-    write(values, buffer[: values.numel()])
-    buffer[values.numel():].zero_()
