@@ -31,11 +31,11 @@ from peer.config import RunConfig, SyncConfig
 from peer.hooks import MATCHMAKING, Hooks
 from peer.outer.lineage import Lineage
 from peer.outer.state import GlobalState
-from peer.round.outer import OuterStep
 from peer.round.announce import Announcer
 from peer.round.catchup import StateCatchUp
 from peer.round.cross import Crossing
 from peer.round.decide import Action, Do, Outcome, Phase, View, classify, decide, describe
+from peer.round.outer import OuterStep
 from peer.swarm.clock import Clock
 from peer.swarm.consensus import SYNCING, peers_ahead, responsive
 from peer.swarm.deadlines import Deadlines
@@ -333,5 +333,3 @@ class Synchronizer:
     def grace(self) -> float:
         """The matchmaking window past the planned meeting: longer on a link whose syncs are long."""
         return matchmaking_grace(self.run.grace_seconds, self.sync_seconds)
-
-
