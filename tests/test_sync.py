@@ -300,6 +300,26 @@ def test_records_that_come_late_do_not_make_a_peer_step_alone_until_it_is_stalle
     assert outcomes == [Outcome.RECORDS_LATE] * (MAX_MISSED - 1) + [Outcome.APPLIED]
 
 
+def test_a_peer_whose_reads_time_out_does_not_step_alone_on_records_that_aged_only_in_its_own_view():
+    """Its groupmate was alive at the last read that answered: our reads failing since say nothing new of it. Judged
+    against now, its record would go unresponsive, and a stalled peer with that empty view stepped alone (a fork,
+    16 peers on a loaded machine)."""
+    peer = FakePeer()
+    peer.train()
+    holder(peer, next_sync_at=peer.clock.now, round_seconds=5.0)  # silent past its sync by 10 s: unresponsive
+    peer.synchronizer.catchup.refresh()
+    peer.transport.late = True
+    peer.clock.sleep(30.0)
+    peer.transport.scripts.extend([NoGroup("nobody came")] * 3 * MAX_MISSED)
+    before = peer.hash()
+    outcomes = [peer.sync().outcome for _ in range(MAX_MISSED)]
+    assert Outcome.APPLIED not in outcomes and peer.hash() == before, outcomes
+    assert peer.transport.sent and all(contribution.hash == before for contribution, _, _ in peer.transport.sent)
+    # once its record expires in the DHT, the peer trains on alone
+    peer.clock.sleep(60.0)
+    assert peer.sync().outcome is Outcome.APPLIED
+
+
 def test_a_peer_does_not_step_past_a_better_state_it_cannot_download():
     peer = FakePeer()
     peer.train()

@@ -153,7 +153,7 @@ class View:
     phase: Phase
     mine: PeerRecord  # our own record: our state now
     records: Tuple[PeerRecord, ...]  # the other peers' records, as last read
-    now: float  # DHT time
+    now: float  # DHT time the records are judged at: now, or while reads time out, the last read that answered
     quorum: int
     retries: int  # how many times a sync may retry
     group_size: int = 0  # the largest group (0: one group of all the peers at a state)

@@ -213,7 +213,7 @@ class Synchronizer:
 
     def _view(self, facts: dict, attempts: int, deadline: float) -> View:
         return View(mine=self.announcer.record(), records=tuple(self.cache.records.values()),
-                    now=self.clock.dht_time(), quorum=self.run.quorum, retries=self.config.retries,
+                    now=self.cache.as_of(self.clock.dht_time()), quorum=self.run.quorum, retries=self.config.retries,
                     group_size=self.run.group_size,
                     attempts=attempts, time_left=deadline - self.clock.monotonic(), stuck=self.stuck,
                     producers=tuple(self.producers()), lookup_failed=self.cache.lookup_failed, **facts)
