@@ -19,6 +19,7 @@ from peer.swarm.consensus import (
     voters,
 )
 from peer.swarm.metadata import Contribution
+from peer.swarm.records import RecordCache
 from peer.swarm.timing import MAX_STRETCH, SYNC_HEADROOM, next_round, round_target
 
 
@@ -93,6 +94,29 @@ def test_a_peer_whose_heartbeat_stopped_is_gone_within_seconds():
     assert voters([stale], mine, now=stale.seen_at) == 1
     legacy = dataclasses.replace(record("b", 3, "aa", 10, next_sync_at=500.0), seen_at=300.0)  # no heartbeat
     assert responsive(legacy, now=300.0)  # promises no heartbeat: judged by its plan alone
+
+
+def test_a_slow_dht_that_delays_our_own_record_as_much_does_not_silence_the_others():
+    """Heartbeats that land 20 s late land late for everyone: read with our own record as stale, the others are
+    alive. A peer cut off from them reads its own record fresh, and they go silent."""
+    mine = record("me", 3, "aa", 10)
+
+    def read(own_age, their_age, now=1000.0):
+        def seen(peer, age):
+            return dataclasses.replace(record(peer, 3, "aa", 10, next_sync_at=now - age + 5.0), heartbeat=2.0,
+                                       updated_at=now - age, seen_at=now, expires_at=now + 60.0)
+        cache = RecordCache("me")
+        others = cache.update({"me": seen("me", own_age), "a": seen("a", their_age), "b": seen("b", their_age)}, now)
+        return cache, others
+
+    cache, others = read(own_age=22.0, their_age=22.0)  # the DHT delivers everything 20 s late
+    assert cache.lag == 20.0 and voters(others.values(), mine, now=cache.as_of(1000.0)) == 3
+    cache, others = read(own_age=1.0, their_age=22.0)  # we are cut off from them: they are silent
+    assert cache.lag == 0.0 and voters(others.values(), mine, now=cache.as_of(1000.0)) == 1
+    # judged as of the lag, a peer that planned to sync 5 s after its last heartbeat is not yet past its plan
+    cache, others = read(own_age=40.0, their_age=40.0)
+    assert all(responsive(r, cache.as_of(1000.0)) for r in others.values())
+    assert not all(responsive(r, 1000.0) for r in others.values())
 
 
 def test_voters_are_the_responsive_peers_at_our_state_and_those_that_produced_it():

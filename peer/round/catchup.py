@@ -65,17 +65,22 @@ class StateCatchUp:
         fetched = self.transport.read_records(max(LOOKUP_TIMEOUT, self.config.request_timeout))
         return self.cache.update(fetched, self.clock.dht_time())
 
+    def judged_at(self) -> float:
+        """The DHT time to judge the records' liveness at (``RecordCache.as_of``)."""
+        return self.cache.as_of(self.clock.dht_time())
+
     def holders_syncing(self) -> bool:
         """Are the holders of our state in a sync now (``consensus.syncing_now``)? A fresh look: records read before
         a download predate it."""
-        return bool(syncing_now(self.refresh().values(), self.announcer.record(), self.clock.dht_time()))
+        return bool(syncing_now(self.refresh().values(), self.announcer.record(), self.judged_at()))
 
     def await_members(self, members: Set[str], until: float) -> None:
         """Read the records every ``MEMBER_POLL`` seconds until each of ``members`` holds our epoch or later, is
         silent or gone, or ``until`` (monotonic) passes."""
         epoch = self.announcer.record().epoch
         while members and self.clock.monotonic() < until:
-            records, now = self.refresh(), self.clock.dht_time()
+            records = self.refresh()
+            now = self.judged_at()
             members = {peer for peer in members if peer in records and records[peer].epoch < epoch
                        and responsive(records[peer], now)}
             if members:
@@ -130,7 +135,7 @@ class StateCatchUp:
     def _replay_rounds(self, best: PeerRecord, rounds: int, timeout: float,
                        attempted_epoch: Optional[int]) -> Union[Rebase, str]:
         """``_replay``'s work: the rebase, or why not."""
-        now = self.clock.dht_time()
+        now = self.judged_at()
         ahead = sorted((r for r in self.cache.records.values() if r.epoch > self.state.epoch and not r.client_mode
                         and responsive(r, now)), key=lambda r: (r.state_hash != best.state_hash, -r.epoch))
         donors = [r.peer_id for r in ahead]
@@ -237,7 +242,7 @@ class StateCatchUp:
         timeout = self.run.grace_seconds + self.deadlines.allreduce() + SETTLE_SECONDS
         mine, deadline = self.announcer.record(), self.clock.monotonic() + timeout
         while True:
-            missing = awaiting_state(self.refresh().values(), mine, self.clock.dht_time())
+            missing = awaiting_state(self.refresh().values(), mine, self.judged_at())
             if not missing or self.clock.monotonic() >= deadline:
                 return missing
             self.clock.sleep(SETTLE_POLL)

@@ -18,8 +18,6 @@ import threading
 import time
 from typing import Optional, Tuple
 
-from hivemind.utils import get_dht_time
-
 from dht.addresses import private_only_hint
 from dht.manifest import MANIFEST_TTL, listed_name, publish_manifest
 from dht.node import visible_maddrs
@@ -357,7 +355,7 @@ def say_who_we_are(parts: Parts, run_id: str, reporter) -> None:
         reporter.info(f"created run '{run_id}': no peer of the swarm trained it before | {reach}")
     else:
         records = parts.cache.records or parts.catchup.refresh()  # the catch-up's read may have come too early
-        others = [r for r in active(records.values(), parts.manifest.hash) if responsive(r, get_dht_time())]
+        others = [r for r in active(records.values(), parts.manifest.hash) if responsive(r, parts.catchup.judged_at())]
         reporter.info(f"joined run '{run_id}' with {len(others)} live peer(s) | {reach}")
     reporter.info(f"peer {parts.peer_id} | run '{run_id}' ({parts.manifest.hash}) | {run.model}: "
                   f"{count_parameters(parts.trainer.module) / 1e6:.1f}M parameters on {parts.trainer.device} | "

@@ -203,17 +203,18 @@ class Synchronizer:
         now = self.clock.dht_time()
         self.announcer.announce(self.announcer.announced["ttl"],
                                 **dict(self.announcer.fields(), status=SYNCING, busy_until=now + budget))
-        silent = [pid for pid, r in self.cache.records.items() if not responsive(r, now)]
+        judged = self.catchup.judged_at()
+        silent = [pid for pid, r in self.cache.records.items() if not responsive(r, judged)]
         self.transport.reach_out(silent + list(self.initial_peer_ids))
         self.transport.watch(silent)
 
     def _moved_on(self) -> bool:
         """Does a live peer hold a better state than ours, in records read now?"""
-        return bool(peers_ahead(self.catchup.refresh().values(), self.announcer.record(), self.clock.dht_time()))
+        return bool(peers_ahead(self.catchup.refresh().values(), self.announcer.record(), self.catchup.judged_at()))
 
     def _view(self, facts: dict, attempts: int, deadline: float) -> View:
         return View(mine=self.announcer.record(), records=tuple(self.cache.records.values()),
-                    now=self.cache.as_of(self.clock.dht_time()), quorum=self.run.quorum, retries=self.config.retries,
+                    now=self.catchup.judged_at(), quorum=self.run.quorum, retries=self.config.retries,
                     group_size=self.run.group_size,
                     attempts=attempts, time_left=deadline - self.clock.monotonic(), stuck=self.stuck,
                     producers=tuple(self.producers()), lookup_failed=self.cache.lookup_failed, **facts)
