@@ -1,8 +1,11 @@
 """The swarm layer on real hivemind DHT nodes on loopback: manifests, records, startup errors."""
 
+import asyncio
+import concurrent.futures
 import functools
 import json
 import socket
+import types
 
 import pytest
 from hivemind.p2p import PeerID
@@ -11,7 +14,7 @@ from hivemind.utils import get_dht_time
 from dht import internals
 from dht.errors import UserError
 from dht.manifest import RunManifest, fetch_manifest, join_or_create, manifest_key, publish_manifest
-from dht.node import LOOPBACK, DHTConfig, reach_out, start_dht
+from dht.node import LOOPBACK, DHTConfig, SwarmDHT, reach_out, start_dht
 from dht.records import PeerRecord, RecordPublisher, fetch_records, publish_record
 from dht.validation import signing_peer_id
 from tests.harness.swarm import wait_until
@@ -251,3 +254,24 @@ def test_the_addresses_a_reachability_check_dials_are_direct_and_loopback_only_o
     assert dialable([f"/ip4/127.0.0.1/tcp/31337{peer}", f"/ip4/192.168.1.2/tcp/31337{peer}", circuit]) == [
         "/ip4/192.168.1.2/tcp/31337"]  # a checker's loopback is its own; a relay circuit proves nothing direct
     assert dialable([f"/ip4/127.0.0.1/tcp/31337{peer}"]) == ["/ip4/127.0.0.1/tcp/31337"]
+
+
+def test_a_request_the_dht_process_drops_reads_as_a_timeout():
+    """hivemind keeps no reference to a request's task: garbage-collected while pending, its coroutine is closed,
+    and the caller got GeneratorExit (a starting peer exited on one). It gets a TimeoutError, which callers
+    handle as a lookup that came late."""
+    async def never(dht, node):
+        await asyncio.get_event_loop().create_future()  # nobody holds it: it never resolves
+
+    future = concurrent.futures.Future()
+    loop = asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        request = SwarmDHT._run_coroutine(types.SimpleNamespace(_node=None), never, future)
+        request.send(None)  # now pending, as a task would be
+        request.close()  # what the garbage collector does to a pending task's coroutine
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)
+    with pytest.raises(TimeoutError, match="dropped"):
+        future.result(timeout=0)
