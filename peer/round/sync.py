@@ -37,7 +37,7 @@ from peer.round.cross import Crossing
 from peer.round.decide import Action, Do, Outcome, Phase, View, classify, decide, describe
 from peer.round.outer import OuterStep
 from peer.swarm.clock import Clock
-from peer.swarm.consensus import SYNCING, peers_ahead, responsive
+from peer.swarm.consensus import SYNCING, holds_state, peers_ahead, responsive
 from peer.swarm.deadlines import Deadlines
 from peer.swarm.metadata import Averaged, Contribution
 from peer.swarm.records import RecordCache
@@ -170,11 +170,13 @@ class Synchronizer:
         result.catch_up_seconds = self.clock.monotonic() - began
         facts = dict(phase=Phase.BEGIN, caught_up=result.rebased, dropped_resumed=self.lineage.dropped_resumed)
         while True:
-            action = decide(self._view(facts, result.attempts, attempt.deadline))
+            view = self._view(facts, result.attempts, attempt.deadline)
+            action = decide(view)
             self._record(action, attempt, result)
             if action.do is Do.FINISH:
                 break
             if action.do is Do.STEP_ALONE:
+                logger.info(self._why_alone(view))
                 self._apply_alone(attempt.tokens, result)
                 break
             if action.do is Do.APPLY:
@@ -196,6 +198,15 @@ class Synchronizer:
             if attempt.crossed is not None:  # as a delegate without the round's result: our groupmates stop waiting
                 self.transport.give_up_result(*attempt.crossed)
         return result
+
+    def _why_alone(self, view: View) -> str:
+        """A lone step may fork the run: the log says what the peer saw."""
+        at_ours = [r for r in view.records if holds_state(r, view.mine)]
+        silent = sum(not responsive(r, view.now) for r in at_ours)
+        return (f"stepping alone at epoch {view.mine.epoch} after {view.phase.value}, {view.stuck} round(s) without "
+                f"applying: {len(view.records)} other record(s) known, {len(at_ours)} at our state ({silent} silent)"
+                + ("; our last read of the records timed out" if view.lookup_failed else "")
+                + (f"; the DHT delivers records {self.cache.lag:.0f} s late" if self.cache.lag else ""))
 
     def _enter(self, budget: float) -> None:
         """Say we sync (silent until the budget ends, yet alive) and ping who went silent: a healed partition
