@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -146,6 +147,51 @@ def fetch_records(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = Non
         found = dht.get(peers_key(run_id), latest=True, return_future=True).result(timeout=timeout)
     except (TimeoutError, concurrent.futures.TimeoutError):
         return None
+    return parse_records(found, get_dht_time())
+
+
+class RecordReader:
+    """Reads a run's records again and again, keeping a lookup that outlasts its caller's timeout: the DHT's late
+    answer is the next read's, with each record as stale as it was when the answer arrived. A read abandoned at its
+    timeout wasted the lookup: on a machine loaded 20-fold every read of a peer timed out for minutes, its view of
+    the swarm emptied as the records it knew expired, and it stepped alone (16 peers, ``bench/results/scale.md``).
+    One lookup is in flight at a time, and one pending longer than ``abandon_after`` seconds is given up."""
+
+    def __init__(self, dht, run_id: str, abandon_after: float = 30.0):
+        self.dht, self.run_id, self.abandon_after = dht, run_id, abandon_after
+        self.lock = threading.Lock()
+        self.pending: Optional[concurrent.futures.Future] = None  # the lookup in flight, or answered unread
+        self.started = 0.0  # monotonic time it began
+        self.answered_at: Optional[float] = None  # DHT time its answer arrived
+
+    def read(self, timeout: float) -> Optional[Dict[str, PeerRecord]]:
+        """The records of the lookup in flight, or of a new one; None if it has not answered within ``timeout``."""
+        with self.lock:
+            if self.pending is None or time.monotonic() - self.started > self.abandon_after and not self.pending.done():
+                self._lookup()
+            try:
+                found = self.pending.result(timeout=timeout)
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                return None
+            except Exception as e:  # the DHT failed the lookup: the next read tries again
+                logger.debug(f"records lookup failed: {e!r}")
+                found = None
+            self.pending = None
+            return parse_records(found, self.answered_at or get_dht_time())
+
+    def _lookup(self) -> None:
+        self.pending, self.started, self.answered_at = None, time.monotonic(), None
+        lookup = self.dht.get(peers_key(self.run_id), latest=True, return_future=True)
+        self.pending = lookup
+        lookup.add_done_callback(self._answered)
+
+    def _answered(self, lookup: concurrent.futures.Future) -> None:
+        if lookup is self.pending:  # not one given up on
+            self.answered_at = get_dht_time()
+
+
+def parse_records(found, seen_at: float) -> Dict[str, PeerRecord]:
+    """The records of a lookup's answer (``found``), read at DHT time ``seen_at``."""
     if found is None or not isinstance(found.value, dict):
         return {}
     records: Dict[str, PeerRecord] = {}
@@ -157,5 +203,5 @@ def fetch_records(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = Non
         # a restarted peer signs with a new key: its old record lingers under the old subkey until it expires
         if record.peer_id not in records or record.updated_at > records[record.peer_id].updated_at:
             records[record.peer_id] = dataclasses.replace(record, expires_at=float(item.expiration_time),
-                                                          seen_at=get_dht_time())
+                                                          seen_at=seen_at)
     return records

@@ -5,6 +5,7 @@ import concurrent.futures
 import functools
 import json
 import socket
+import threading
 import types
 
 import pytest
@@ -15,7 +16,7 @@ from dht import internals
 from dht.errors import UserError
 from dht.manifest import RunManifest, fetch_manifest, join_or_create, manifest_key, publish_manifest
 from dht.node import LOOPBACK, DHTConfig, SwarmDHT, reach_out, start_dht
-from dht.records import PeerRecord, RecordPublisher, fetch_records, publish_record
+from dht.records import PeerRecord, RecordPublisher, RecordReader, fetch_records, publish_record
 from dht.validation import signing_peer_id
 from tests.harness.swarm import wait_until
 
@@ -92,6 +93,48 @@ def test_a_published_record_keeps_its_heartbeat_until_stopped(two_nodes):
     publisher.stop()
     publisher.thread.join(timeout=5)
     assert not publisher.thread.is_alive()
+
+
+class HeldDHT:
+    """A real DHT node whose lookups answer only when the test lets them: a DHT slower than its reader's timeout."""
+
+    def __init__(self, dht):
+        self.dht, self.gate, self.lookups = dht, threading.Event(), []
+
+    def get(self, key, latest=False, return_future=False):
+        held, real = concurrent.futures.Future(), self.dht.get(key, latest=latest, return_future=True)
+        threading.Thread(target=lambda: self.gate.wait() and held.set_result(real.result()), daemon=True).start()
+        self.lookups.append(held)
+        return held
+
+
+def test_a_lookup_that_answers_after_its_read_timed_out_answers_the_next_read(two_nodes):
+    """Abandoned at its timeout, a slow DHT's every lookup was wasted: a peer's reads timed out for minutes on a
+    loaded machine, the records it knew expired, and it stepped alone on an empty view."""
+    first, second = two_nodes
+    me = signing_peer_id()
+    publish_record(first, "run-l", PeerRecord(me, 4, "h4", 10, "m"), get_dht_time() + 60)
+    wait_until(lambda: me in (fetch_records(second, "run-l") or {}), 10, "the record to reach the other node")
+    held = HeldDHT(second)
+    reader = RecordReader(held, "run-l")
+    assert reader.read(timeout=0.1) is None and reader.read(timeout=0.1) is None  # one lookup, still in flight
+    held.gate.set()
+    wait_until(held.lookups[0].done, 10, "the lookup to answer")
+    answered = get_dht_time()
+    records = reader.read(timeout=0)  # the late answer: no new lookup, no wait
+    assert records[me].epoch == 4 and records[me].seen_at <= answered and len(held.lookups) == 1
+    assert me in reader.read(timeout=10) and len(held.lookups) == 2  # once taken, a read looks again
+
+
+def test_a_lookup_pending_too_long_is_given_up_for_a_new_one(two_nodes):
+    held = HeldDHT(two_nodes[1])
+    reader = RecordReader(held, "run-m", abandon_after=0.0)
+    assert reader.read(timeout=0.05) is None and reader.read(timeout=0.05) is None
+    assert len(held.lookups) == 2
+    held.gate.set()
+    wait_until(held.lookups[1].done, 10, "the new lookup to answer")
+    assert reader.read(timeout=0) == {}  # the new one's answer: no records under this run
+    assert len(held.lookups) == 2
 
 
 async def _forget(peer_id: str, _dht, node) -> bool:

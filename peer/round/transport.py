@@ -17,7 +17,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dht.node import reach_out
-from dht.records import PeerRecord, RecordPublisher, fetch_records
+from dht.records import PeerRecord, RecordPublisher, RecordReader
 from peer.averaging.averager import CROSS, GROUP, SwarmAverager
 from peer.averaging.results import GROUP_ONLY, MINORITY, NO_MAJORITY, READY
 from peer.swarm.failures import DelegateLost, MinorityGroup, NoGroup, NoMajority
@@ -104,10 +104,11 @@ class SwarmTransport:
         self.meet_at: Optional[float] = None  # and when its window starts (None: at once)
         self.grace = grace_seconds  # and how long it lasts
         self.publisher = RecordPublisher(dht, namespace)
+        self.reader = RecordReader(dht, namespace)
         self.answered = self.publisher.answered
 
     def read_records(self, timeout: float) -> Optional[Dict[str, PeerRecord]]:
-        return fetch_records(self.dht, self.namespace, timeout=timeout)
+        return self.reader.read(timeout)
 
     def publish(self, record: PeerRecord, ttl: float) -> None:
         self.publisher.publish(record, ttl)
