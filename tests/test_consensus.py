@@ -1,6 +1,7 @@
 """Fork choice, expected groups, the majority rule and round targets over peer records; no DHT."""
 
 import dataclasses
+import logging
 
 from dht.records import CLOCK_SLACK, HEARTBEAT_MISSES, PeerRecord
 from peer.swarm.consensus import (
@@ -117,6 +118,24 @@ def test_a_slow_dht_that_delays_our_own_record_as_much_does_not_silence_the_othe
     cache, others = read(own_age=40.0, their_age=40.0)
     assert all(responsive(r, cache.as_of(1000.0)) for r in others.values())
     assert not all(responsive(r, 1000.0) for r in others.values())
+
+
+def test_the_dhts_lag_rises_at_once_falls_halfway_per_read_and_is_said_once_each_way(caplog):
+    """Under load, reads found our own record 8 s late, then on time, over and over: the log said so at every read,
+    and others' records swung with it."""
+    cache = RecordCache("me")
+
+    def read(own_age, now=1000.0):
+        own = dataclasses.replace(record("me", 3, "aa", 10), heartbeat=2.0, updated_at=now - own_age, seen_at=now,
+                                  expires_at=now + 60.0)
+        cache.update({"me": own}, now)
+        return cache.lag
+
+    with caplog.at_level(logging.INFO, logger="peer.swarm.records"):
+        assert [read(22.0), read(2.0), read(12.0), read(2.0), read(2.0), read(2.0)] == [20.0, 10.0, 10.0, 5.0, 2.5,
+                                                                                      1.25]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "20 s late" in said[0] and said[1] == "the DHT delivers records on time again"
 
 
 def test_voters_are_the_responsive_peers_at_our_state_and_those_that_produced_it():

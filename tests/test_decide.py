@@ -56,14 +56,14 @@ def test_ready_alone():
     assert decide(view(Phase.READY, finite=False)) == Action(Do.FINISH, Outcome.DIVERGED)
     # a late read of the records may be empty only because it is late: wait, until stalled
     assert decide(view(Phase.READY, lookup_failed=True)) == Action(Do.FINISH, Outcome.RECORDS_LATE)
-    assert decide(view(Phase.READY, lookup_failed=True, stuck=MAX_MISSED - 1)) == Action(Do.STEP_ALONE)
+    assert decide(view(Phase.READY, lookup_failed=True, lonely=MAX_MISSED - 1)) == Action(Do.STEP_ALONE)
     # the others are behind: they join us next round
     behind = peer("b", epoch=3, state="bb", tokens=300)
     assert decide(view(Phase.READY, behind)) == Action(Do.FINISH, Outcome.PEERS_BEHIND, count=1)
-    assert decide(view(Phase.READY, behind, stuck=MAX_MISSED - 1)) == Action(Do.STEP_ALONE)
+    assert decide(view(Phase.READY, behind, lonely=MAX_MISSED - 1)) == Action(Do.STEP_ALONE)
     # a live peer holds a better state (its download failed): never step alone, even stalled
     ahead = peer("x", epoch=6, state="cc", tokens=900)
-    assert decide(view(Phase.READY, ahead, stuck=MAX_MISSED)) == Action(Do.FINISH, Outcome.PEERS_AHEAD, count=1)
+    assert decide(view(Phase.READY, ahead, lonely=MAX_MISSED)) == Action(Do.FINISH, Outcome.PEERS_AHEAD, count=1)
     assert decide(dataclasses.replace(view(Phase.READY), quorum=2)) == Action(Do.FINISH, Outcome.BELOW_QUORUM,
                                                                               count=2)
 
@@ -113,9 +113,9 @@ def test_after_a_missed_group():
     assert decide(view(Phase.CAUGHT_UP, holder, caught_up=False, holders_syncing=False, **missed)) == Action(
         Do.FINISH, Outcome.NO_GROUP, count=2)
     # stalled, and nobody else votes at our state: go on alone
-    assert decide(view(Phase.CAUGHT_UP, caught_up=False, holders_syncing=False, stuck=MAX_MISSED - 1,
+    assert decide(view(Phase.CAUGHT_UP, caught_up=False, holders_syncing=False, lonely=MAX_MISSED - 1,
                        **missed)) == Action(Do.STEP_ALONE)
-    assert decide(view(Phase.CAUGHT_UP, holder, caught_up=False, holders_syncing=False, stuck=MAX_MISSED - 1,
+    assert decide(view(Phase.CAUGHT_UP, holder, caught_up=False, holders_syncing=False, lonely=MAX_MISSED - 1,
                        **missed)).outcome is Outcome.NO_GROUP
     # out of attempts: the holders are not asked
     out = dict(missed, attempts=3)

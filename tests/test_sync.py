@@ -320,6 +320,27 @@ def test_a_peer_whose_reads_time_out_does_not_step_alone_on_records_that_aged_on
     assert peer.sync().outcome is Outcome.APPLIED
 
 
+def test_a_peer_that_met_others_at_its_state_does_not_step_alone_once_its_view_empties():
+    """A minority group met peers at our state: a view emptied since, by reads that time out until the records we
+    knew expire, says nothing of them. Counted as stalled, peers on a loaded machine stepped alone with no other
+    record known, a round after their group had met 14 peers at their state (16 peers)."""
+    peer = FakePeer()
+    peer.train()
+    peer.transport.late = True
+    assert peer.sync().outcome is Outcome.RECORDS_LATE
+    peer.transport.late = False
+    holder(peer)
+    peer.transport.scripts.append(MinorityGroup("our group holds 2 of the 15 peers at our state, not a majority"))
+    assert peer.sync().outcome is Outcome.MINORITY
+    peer.transport.late = True
+    peer.clock.sleep(120.0)  # the holder's record, as last read, expires
+    before = peer.hash()
+    outcomes = [peer.sync().outcome for _ in range(MAX_MISSED)]
+    # MAX_MISSED rounds that met nobody, and the escape holds again: a lone peer never blocks
+    assert outcomes == [Outcome.RECORDS_LATE] * (MAX_MISSED - 1) + [Outcome.APPLIED]
+    assert peer.synchronizer.stuck == 0 and peer.hash() != before
+
+
 def test_a_peer_does_not_step_past_a_better_state_it_cannot_download():
     peer = FakePeer()
     peer.train()

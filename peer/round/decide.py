@@ -26,7 +26,7 @@ The phases of a sync, and what each decides:
   while it was late) catches up.
 - ``CAUGHT_UP``, after a missed group (or a late group's cross): rebased if we adopted a state; after a cross,
   nothing more; retry at once if the holders of our state just began syncing; after MAX_MISSED rounds stuck with
-  nobody else voting at our state, step alone; else wait for the next round.
+  nobody else voting at our state (and none met there), step alone; else wait for the next round.
 - ``AVERAGED``: apply the group's average, if every member held our state.
 
 Finishing outcomes are ``Outcome``s: the metrics' ``outcome``, and ``describe`` gives the line of text that the
@@ -159,7 +159,10 @@ class View:
     group_size: int = 0  # the largest group (0: one group of all the peers at a state)
     attempts: int = 0  # attempts made in this sync
     time_left: float = 1.0  # seconds to the sync's deadline
-    stuck: int = 0  # rounds in a row this peer sat at its state without applying, before this one
+    # rounds in a row this peer sat at its state without applying and without meeting another peer at it, before
+    # this one: what the escapes to step alone count. A round that met others at our state (a minority group) says
+    # they live, and a view emptied since by reads that time out says nothing of them (``Synchronizer.lonely``)
+    lonely: int = 0
     producers: Tuple[str, ...] = ()  # the peers whose deltas our state's last outer step merged
     lookup_failed: bool = False  # the last read of the records timed out: what we know may be stale
     records_fresh: bool = False  # the records were read since the last attempt
@@ -222,7 +225,7 @@ def _ready(view: View) -> Action:
         probe = tuple(r.peer_id for r in holders if not r.client_mode and r.peer_id in mates)
         return Action(Do.AVERAGE, expected=expected, target=size, groups=groups, group=group if groups > 1 else -1,
                       probe=probe, voters=electorate)
-    stalled = view.stuck + 1 >= MAX_MISSED
+    stalled = view.lonely + 1 >= MAX_MISSED
     if view.lookup_failed and not stalled:
         # stepping alone on a view that may be empty only because it is late would fork the run
         return Action(Do.FINISH, Outcome.RECORDS_LATE)
@@ -286,7 +289,7 @@ def _caught_up(view: View) -> Action:
             # and read a holder's record from its own catch-up a moment ago): they count on us now
             # (``consensus.peers_with_state``); a round of ours first would miss their group
             return _next(view)
-    if view.stuck + 1 >= MAX_MISSED and voters(view.records, view.mine, view.now) == 1:
+    if view.lonely + 1 >= MAX_MISSED and voters(view.records, view.mine, view.now) == 1:
         return _alone(view)  # the others at our state went silent: we are alone
     # stepping alone while others at our state are alive would fork the run (a minority of 1)
     return Action(Do.FINISH, Outcome.NO_GROUP, count=view.expected - 1)

@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 LATE_SLACK = 1.0  # seconds past its planned meeting at which a sync counts as late (its last one overran)
 REBASED = (Outcome.CAUGHT_UP, Outcome.MISSED_GROUP, Outcome.MINORITY_ADOPTED, Outcome.GROUP_FINISHED_WITHOUT_US)
+MET_OTHERS = (Outcome.MINORITY, Outcome.DELEGATE_LOST)  # not applied, but a group of peers at our state formed
 
 
 @dataclass
@@ -116,6 +117,10 @@ class Synchronizer:
         # unmerged rounds, which include rounds lost catching up; a peer that just adopted the swarm's state is
         # not stalled, and once counted as such it forked a majority still at work)
         self.stuck, self.stuck_epoch = 0, -1
+        # of those, the rounds in a row that met no other peer at our state: what the escapes to step alone count
+        # (``View.lonely``). Peers on a loaded machine whose reads timed out until the records they knew expired
+        # stepped alone with no other record known, a round after a minority group had met 14 peers at their state
+        self.lonely = 0
         self.crossing = Crossing(transport, clock, announcer, deadlines, run, moved_on=self._moved_on)
         self.outer = OuterStep(state, local, layout, lineage, feedback, lock, run, buffers=transport.buffers,
                                outgoing=hooks.outgoing)
@@ -139,7 +144,7 @@ class Synchronizer:
         """
         self.step_seconds = step_seconds
         if self.state.epoch != self.stuck_epoch:
-            self.stuck, self.stuck_epoch = 0, self.state.epoch
+            self.stuck, self.lonely, self.stuck_epoch = 0, 0, self.state.epoch
         early = max(0.0, meet_at - self.clock.dht_time()) if meet_at is not None else 0.0
         budget += early
         late = meet_at is not None and self.clock.dht_time() > meet_at + LATE_SLACK
@@ -157,6 +162,7 @@ class Synchronizer:
             self.last_group = result.group
         result.waited, result.deadline = early + awaited, budget + awaited
         self.stuck = 0 if result.applied or result.rebased else self.stuck + 1
+        self.lonely = 0 if self.stuck == 0 or result.outcome in MET_OTHERS else self.lonely + 1
         seconds = result.averaging_seconds
         if seconds is not None:  # how long our syncs take (``timing.next_round``, ``timing.matchmaking_grace``)
             self.sync_seconds = seconds if self.sync_seconds is None else 0.5 * (self.sync_seconds + seconds)
@@ -203,8 +209,9 @@ class Synchronizer:
         """A lone step may fork the run: the log says what the peer saw."""
         at_ours = [r for r in view.records if holds_state(r, view.mine)]
         silent = sum(not responsive(r, view.now) for r in at_ours)
-        return (f"stepping alone at epoch {view.mine.epoch} after {view.phase.value}, {view.stuck} round(s) without "
-                f"applying: {len(view.records)} other record(s) known, {len(at_ours)} at our state ({silent} silent)"
+        return (f"stepping alone at epoch {view.mine.epoch} after {view.phase.value}, {view.lonely} round(s) without "
+                f"applying or meeting a peer at our state: {len(view.records)} other record(s) known, "
+                f"{len(at_ours)} at our state ({silent} silent)"
                 + ("; our last read of the records timed out" if view.lookup_failed else "")
                 + (f"; the DHT delivers records {self.cache.lag:.0f} s late" if self.cache.lag else ""))
 
@@ -227,7 +234,7 @@ class Synchronizer:
         return View(mine=self.announcer.record(), records=tuple(self.cache.records.values()),
                     now=self.catchup.judged_at(), quorum=self.run.quorum, retries=self.config.retries,
                     group_size=self.run.group_size,
-                    attempts=attempts, time_left=deadline - self.clock.monotonic(), stuck=self.stuck,
+                    attempts=attempts, time_left=deadline - self.clock.monotonic(), lonely=self.lonely,
                     producers=tuple(self.producers()), lookup_failed=self.cache.lookup_failed, **facts)
 
     def _record(self, action: Action, attempt: _Attempt, result: SyncResult) -> None:
