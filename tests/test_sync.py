@@ -438,6 +438,19 @@ def test_a_group_waits_longer_for_its_members_where_syncs_are_long():
     assert peer.synchronizer.round_budget() > peer.sync_config.round_budget(grace, peer.deadlines.allreduce())
 
 
+def test_a_group_waits_longer_for_its_members_where_the_dht_delivers_late():
+    """hivemind's matchmaking finds a group's leader through the DHT: on a machine loaded 20-fold, records came
+    6-19 s late, and 5-s windows formed no group, or groups of 2-4 of 16 peers, for minutes."""
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.peers["me"] = record("me", 0, "", 0, heartbeat=2.0, updated_at=peer.clock.dht_time() - 10.0)
+    peer.transport.scripts.append(with_group(("a", theirs(peer))))
+    assert peer.sync().applied
+    assert peer.synchronizer.cache.lag == 8.0  # our own record, read back 10 s old: 8 s beyond its heartbeat
+    assert peer.transport.prepared[0]["grace"] == peer.run.grace_seconds + 8.0
+
+
 def test_a_late_sync_waits_for_its_last_groupmates_to_publish_their_new_state():
     # the last sync overran the round it overlapped; b got its last parts a few seconds after us
     peer = FakePeer()

@@ -350,5 +350,6 @@ class Synchronizer:
         return self.config.round_budget(self.grace(), self.deadlines.allreduce())
 
     def grace(self) -> float:
-        """The matchmaking window past the planned meeting: longer on a link whose syncs are long."""
-        return matchmaking_grace(self.run.grace_seconds, self.sync_seconds)
+        """The matchmaking window past the planned meeting: longer on a link whose syncs are long, and on a DHT
+        that delivers late."""
+        return matchmaking_grace(self.run.grace_seconds, self.sync_seconds, self.cache.lag)

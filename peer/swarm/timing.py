@@ -38,13 +38,15 @@ def next_round(gathered: Gathered, round_seconds: float, inner_steps: int) -> Tu
     return seconds, seconds / planned
 
 
-def matchmaking_grace(grace_seconds: float, sync_seconds: Optional[float]) -> float:
+def matchmaking_grace(grace_seconds: float, sync_seconds: Optional[float], dht_lag: float = 0.0) -> float:
     """How long a group waits past its planned meeting for its members: ``--grace-seconds``, or a quarter of our
-    recent syncs if longer. The members of one all-reduce receive its last parts up to the time a reducer takes
-    to send them all (on a 1 Mbit/s link, 10-15 s apart), and each counts its next round from then: a 5-s window
-    missed the last of them. A full group begins at once, so the longer window costs time only when a member is
-    missing."""
-    return max(grace_seconds, GRACE_SHARE * sync_seconds) if sync_seconds else grace_seconds
+    recent syncs if longer, plus the DHT's lag (``RecordCache.lag``). The members of one all-reduce receive its
+    last parts up to the time a reducer takes to send them all (on a 1 Mbit/s link, 10-15 s apart), and each counts
+    its next round from then: a 5-s window missed the last of them. hivemind's matchmaking finds a group's leader
+    through the DHT, so a DHT that delivers 8 s late hides every peer from a 5-s window: 16 peers on a machine loaded
+    20-fold formed no group, or groups of 2-4, for minutes. A full group begins at once, so the longer window costs
+    time only when a member is missing."""
+    return (max(grace_seconds, GRACE_SHARE * sync_seconds) if sync_seconds else grace_seconds) + dht_lag
 
 
 def round_end(gathered: Gathered) -> Optional[float]:
