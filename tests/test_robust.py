@@ -76,3 +76,15 @@ def test_two_senders_1000_times_apart_fail_the_round_instead_of_averaging():
 def test_nothing_usable_is_an_error():
     with pytest.raises(ValueError, match="no sender's part is usable"):
         robust_mean({0: (torch.tensor([float("inf")]), 1.0)}, clip_factor=2.0)
+
+
+def test_a_sender_with_no_work_is_left_out_not_taken_for_an_attacker():
+    """A peer that dropped its rounds past --max-staleness as the next round began sent an all-zero part: paired with
+    one honest peer, the round failed as two parts infinitely far apart in norm (16 peers on a loaded machine)."""
+    parts = honest(2)
+    honest_part = parts[0]
+    parts[1] = (torch.zeros(1000), 100.0)
+    result, offences = robust_mean(parts, clip_factor=2.0)
+    assert offences == [] and torch.allclose(result, honest_part[0])
+    padding = {0: (torch.zeros(10), 1.0), 1: (torch.zeros(10), 1.0)}  # a fragment's zero padding, in every part
+    assert torch.equal(robust_mean(padding, clip_factor=2.0)[0], torch.zeros(10))

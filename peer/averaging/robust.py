@@ -3,7 +3,8 @@
 A public run admits strangers, and one broken or hostile peer must not ruin the global state. Each
 reducer, for each part, takes every sender's part and weight and:
 
-1. rejects a part that holds NaN or Inf (its weight drops out);
+1. rejects a part that holds NaN or Inf (its weight drops out), and leaves out an all-zero part (no work) while
+   another sender's is not;
 2. computes a center, the coordinate-wise median of the remaining parts;
 3. rejects a part whose deviation from the center is more than SEVERE times the clipping bound
    (``clip_factor`` times the median deviation norm): no honest peer, however stale, is that far off;
@@ -56,6 +57,10 @@ def robust_mean(parts: Dict[int, Tuple[torch.Tensor, float]], clip_factor: float
             usable[sender] = (part.to(torch.float32), float(weight))
         else:
             offences.append(Offence(sender, "non-finite"))
+    # a sender with no work sends zeros (it dropped its rounds past --max-staleness as the next round began): they
+    # say nothing, would only shrink the step, and with two senders failed the round as infinitely far apart
+    working = {sender: sent for sender, sent in usable.items() if sent[0].any()}
+    usable = working or usable
     total = sum(weight for _, weight in usable.values())
     if not usable or total <= 0:
         raise ValueError("no sender's part is usable (every one non-finite or weightless)")
