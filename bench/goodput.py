@@ -347,10 +347,11 @@ def table(results: List[dict]) -> str:
              "| worst survivor sync s | final loss | ceiling | vs ceiling |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     swarm_base = next((r["goodput"] for r in results if (r["system"], r["schedule"]) == ("swarm", "none")),
-                      float("nan"))
+                      float("nan")) or float("nan")  # nothing merged: no ratio
     for r in results:
         base = next((b for b in results if (b["system"], b["schedule"]) == (r["system"], "none")),
                     dict(goodput=float("nan"), between=float("nan")))
+        base = {k: v or float("nan") for k, v in base.items() if k in ("goodput", "between")}  # nothing merged
         swarm = r["system"] == "swarm"
         between = (f"{r['between']:,.0f} | {r['between'] / base['between']:.0%}" if math.isfinite(r["between"])
                    else "- | -")  # fewer than two merges in the window, or tokens_total fell (a restart)
