@@ -27,7 +27,7 @@ from dht.addresses import parse_maddrs, scope
 from dht.cli import opt, require_positive
 from dht.errors import UserError, first_line
 from dht.reach import serve_dial_back
-from dht.validation import adopt_identity, signer
+from dht.validation import RememberingValidator, adopt_identity, signer
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
             check_if_identity_free=False,  # ours, below: hivemind's asks once, too early (identity_taken)
             identity_check=(config.identity_path, initial_peers) if check else None,
             client_mode=config.client_mode,
-            record_validators=validators,
+            record_validators=[RememberingValidator(validators)],
             startup_timeout=config.startup_timeout,
             start=True,
             await_ready=False,

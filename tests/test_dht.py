@@ -318,3 +318,26 @@ def test_a_request_the_dht_process_drops_reads_as_a_timeout():
         asyncio.set_event_loop(None)
     with pytest.raises(TimeoutError, match="dropped"):
         future.result(timeout=0)
+
+
+def test_a_node_checks_each_record_once_and_a_bad_one_every_time():
+    """Every lookup reply carries a run's whole dictionary of records, and checking each again in every reply was
+    79% of a DHT process's CPU with 16 peers."""
+    from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+
+    from dht.validation import RememberingValidator
+
+    class Counting(RecordValidatorBase):
+        checked = []
+
+        def validate(self, record):
+            self.checked.append(record)
+            return record.value != b"forged"
+
+    validator = RememberingValidator([Counting()], size=2)
+    first, again, forged = (DHTRecord(b"k", b"s", value, 100.0) for value in (b"v1", b"v1", b"forged"))
+    assert validator.validate(first) and validator.validate(again) and len(Counting.checked) == 1
+    assert not validator.validate(forged) and not validator.validate(forged) and len(Counting.checked) == 3
+    renewed = DHTRecord(b"k", b"s", b"v1", 102.0)  # a heartbeat: the same value, a new expiration, checked anew
+    assert validator.validate(renewed) and len(Counting.checked) == 4
+    assert validator.validate(DHTRecord(b"k", b"s", b"v2", 100.0)) and first not in validator.passed  # bounded
