@@ -61,9 +61,8 @@ def robust_mean(parts: Dict[int, Tuple[torch.Tensor, float]], clip_factor: float
         raise ValueError("no sender's part is usable (every one non-finite or weightless)")
     if clip_factor > 0 and len(usable) == 2:
         small, large = sorted(part.norm().item() for part, _ in usable.values())
-        # an all-zero part is a peer with no work (it dropped its rounds past --max-staleness as the next round
-        # began), not a scaled attack: averaged in, it only shrinks the step, by its weight. Taken for a part
-        # infinitely far from the other, it failed its pair's round (16 peers on a loaded machine)
+        # an all-zero part is a peer with no work (its rounds dropped past --max-staleness), no attack: averaged in,
+        # it shrinks the step by its weight; taken for a part infinitely far off, it failed its pair's round
         if small > 0 and large > PAIR_RATIO * small:
             raise ValueError(f"the two senders' parts are {large / small:.3g} x apart in norm (more than "
                              f"{PAIR_RATIO:g}): with two, there is no telling which is wrong")
