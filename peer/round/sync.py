@@ -117,10 +117,7 @@ class Synchronizer:
         # unmerged rounds, which include rounds lost catching up; a peer that just adopted the swarm's state is
         # not stalled, and once counted as such it forked a majority still at work)
         self.stuck, self.stuck_epoch = 0, -1
-        # of those, the rounds in a row that met no other peer at our state: what the escapes to step alone count
-        # (``View.lonely``). Peers on a loaded machine whose reads timed out until the records they knew expired
-        # stepped alone with no other record known, a round after a minority group had met 14 peers at their state
-        self.lonely = 0
+        self.lonely = 0  # of those, the rounds in a row that met no other peer at our state (``View.lonely``)
         self.crossing = Crossing(transport, clock, announcer, deadlines, run, moved_on=self._moved_on)
         self.outer = OuterStep(state, local, layout, lineage, feedback, lock, run, buffers=transport.buffers,
                                outgoing=hooks.outgoing)
