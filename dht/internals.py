@@ -15,7 +15,8 @@ inherit, as subclasses do; they, too, hold only for the versions named here.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Optional, Sequence
+from math import isfinite
+from typing import Any, Awaitable, Callable, List, Optional, Sequence, Tuple
 
 import hivemind
 from hivemind.dht.crypto import RSAPrivateKey
@@ -200,3 +201,51 @@ def raise_when_no_group(matchmaking, error: Callable[[str], BaseException]) -> N
 
     matchmaking.look_for_group = look_or_raise
     matchmaking._raises_when_no_group = True
+
+
+def seed_leaders(matchmaking, source: Callable[[float], Awaitable[Optional[List[Tuple[str, float]]]]],
+                 expected: Callable[[str], bool]) -> None:
+    """Fill matchmaking's leader queue from ``source(our declared expiration)``: (peer id, expiration) pairs, or None
+    for hivemind's own lookup of the DHT's declarations. And accept a join request from a peer that ``expected``
+    names even if its declared window ends before ours (hivemind refuses it: ``BAD_EXPIRATION_TIME``). Installed
+    once per matchmaking."""
+    if getattr(matchmaking, "_seeded", False):
+        return
+    manager, leaders = matchmaking.group_key_manager, matchmaking.potential_leaders
+    lookup, check = manager.get_averagers, matchmaking._check_reasons_to_reject
+
+    async def get_averagers(group_key, only_active):
+        seeded = await source(leaders.declared_expiration_time)
+        if seeded is None:
+            return await lookup(group_key, only_active)
+        return [(PeerID.from_base58(peer), expiration) for peer, expiration in seeded]
+
+    def check_reasons_to_reject(request, context):
+        declared = leaders.declared_expiration_time
+        if isfinite(declared) and request.expiration < declared and expected(context.remote_id.to_base58()):
+            request = type(request).FromString(request.SerializeToString())
+            request.expiration = declared
+        return check(request, context)
+
+    manager.get_averagers = get_averagers
+    matchmaking._check_reasons_to_reject = check_reasons_to_reject
+    matchmaking._seeded = True
+
+
+def declare_in_background(matchmaking) -> None:
+    """Send matchmaking's declarations (looking for a group, and no longer) to the DHT without waiting for its answer.
+    hivemind awaits each one, and awaits the last one while leaving matchmaking: on a DHT that answers late, a group
+    that formed stays in matchmaking until the DHT answers. Installed once per matchmaking."""
+    manager = matchmaking.group_key_manager
+    if getattr(manager, "_declares_in_background", False):
+        return
+    declare, pending = manager.declare_averager, set()
+
+    async def declare_without_waiting(*args, **kwargs) -> bool:
+        task = asyncio.create_task(declare(*args, **kwargs))
+        pending.add(task)  # the event loop holds tasks weakly
+        task.add_done_callback(pending.discard)
+        return True
+
+    manager.declare_averager = declare_without_waiting
+    manager._declares_in_background = True

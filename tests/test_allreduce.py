@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 
@@ -17,7 +18,7 @@ from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.averager import SwarmAverager
 from peer.hooks import Hooks
 from peer.outer.state import state_hash
-from peer.swarm.failures import GroupLostMember
+from peer.swarm.failures import GroupLostMember, NoGroup
 
 pytestmark = pytest.mark.slow
 SIZE = 200_003
@@ -66,17 +67,18 @@ def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None, cl
     return averagers
 
 
-def run_round(averagers, values, weights, deadlines=(30.0, 10.0)):
+def run_round(averagers, values, weights, deadlines=(30.0, 10.0), ids=None):
     """One round of ``averagers``. ``deadlines`` (all-reduce, part) are generous for rounds where nobody
     fails: a busy CI machine once took over 3 s between two parts of an honest round, and its reducers
     dropped the sender."""
     allreduce_timeout, part_timeout = deadlines
     controls = []
-    for averager, value, weight in zip(averagers, values, weights):
+    for index, (averager, value) in enumerate(zip(averagers, values)):
         with averager.get_tensors() as (delta,):
             delta.copy_(value)
         averager.prepare_round(0, "cafe", min_group=len(averagers), expected_group=len(averagers),
-                               allreduce_timeout=allreduce_timeout, part_timeout=part_timeout)
+                               allreduce_timeout=allreduce_timeout, part_timeout=part_timeout,
+                               probe=ids[:index] + ids[index + 1:] if ids else ())
     for averager, weight in zip(averagers, weights):
         controls.append(averager.step(
             gather=dict(epoch=0, hash="cafe", tokens=weight, align=False), weight=float(weight),
@@ -252,6 +254,50 @@ def test_garbage_sent_to_the_averaging_rpc_is_refused_and_harmless(dhts):
         with target.get_tensors() as (delta,):
             assert torch.equal(delta, torch.full((SIZE,), 1.0))
     finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
+LATE = 60.0  # seconds a late DHT takes to answer a get or a store
+
+
+async def _make_late(delay, _dht, node):
+    """(DHT process) Every get and store of this DHT node answers ``delay`` seconds late; 0 restores it."""
+    originals = node.__dict__.setdefault("_on_time", (node.get, node.store))
+    if not delay:
+        node.get, node.store = originals
+        return
+
+    def late(call):
+        async def answer(*args, **kwargs):
+            await asyncio.sleep(delay)
+            return await call(*args, **kwargs)
+        return answer
+
+    node.get, node.store = map(late, originals)
+
+
+def test_a_group_forms_from_the_records_while_the_dht_answers_late(dhts):
+    """Every DHT answers a minute late while a round's group forms. With hivemind's declarations alone nobody finds
+    a leader in the window. Given their expected peers (from records, in the product), the peers ask those, not
+    the DHT, and meet as one group whose members end bit-identical, without waiting on the DHT at either end."""
+    averagers = make_averagers(dhts, "dht_late", "none")
+    ids = [averager.peer_id.to_base58() for averager in averagers]  # (asked of the DHT while it is on time)
+    try:
+        for dht in dhts:
+            dht.run_coroutine(functools.partial(_make_late, LATE))
+        values = [torch.full((SIZE,), float(i)) for i in range(3)]
+        for control in run_round(averagers, values, [1, 1, 1]):  # no records: hivemind's declarations, read late
+            with pytest.raises(NoGroup):
+                control.result(timeout=LATE / 2)
+        outcomes = [control.result(timeout=LATE / 2) for control in run_round(averagers, values, [1, 1, 1], ids=ids)]
+        assert all(len(outcome.gathered) == 3 for outcome in outcomes)
+        for averager in averagers:
+            with averager.get_tensors() as (delta,):
+                assert torch.equal(delta, torch.full((SIZE,), 1.0))
+    finally:
+        for dht in dhts:
+            dht.run_coroutine(functools.partial(_make_late, 0))
         for averager in averagers:
             averager.shutdown()
 

@@ -4,6 +4,7 @@
 - ``allreduce.py``  the exact butterfly all-reduce (bit-identical results or a clean failure)
 - ``robust.py``     robust aggregation of one part (median, clipping, rejection): pure tensors
 - ``bans.py``       offences counted across rounds, and bans
+- ``leaders.py``    whom a round's matchmaking asks to lead its group: the expected peers our records name
 - ``liveness.py``   whether an expected peer can be reached now (dials refused or in backoff), and the probe
 - ``sharing.py``    state sharing: snapshots served by slice, striped downloads from several donors
 - ``results.py``    a cross-group round's result, served by its delegates to their groupmates

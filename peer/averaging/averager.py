@@ -5,6 +5,7 @@ What it adds to hivemind's averager:
 - ``prepare_round`` puts only peers holding the same (epoch, state hash) under one matchmaking key
   and tells the leader how many peers to expect, so a complete group forms without waiting the
   whole grace window; an expected peer that cannot be reached (``liveness``) is no longer waited for;
+- the group's leader is asked among the expected peers our records name (``leaders``), not found through the DHT;
 - once a group forms, every member reads the same gathered contributions (``peer/swarm/metadata.py``) and
   refuses alike to average in a minority group (``grouping.admit``), before any tensor is sent;
 - the all-reduce is ``ExactAllReduceRunner`` (members end bit-identical or the round fails), and it
@@ -27,13 +28,14 @@ from diloco_compression import Codec
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.utils import MPFuture
+from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from dht import internals
 from dht.node import init_child_process
 from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.bans import Bans
+from peer.averaging.leaders import RecordLeaders
 from peer.averaging.liveness import stop_waiting_for_the_gone
 from peer.averaging.pacing import CHUNK_BYTES, SMALL_BYTES, Pacer
 from peer.averaging.results import MINORITY, NO_MAJORITY, READY, RoundResults, result_key
@@ -79,6 +81,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         self.round_group = -1  # which group of a round of many (-1: one group of all)
         self._rounds_prepared = 0  # prepare_round calls so far (averager process): a stale probe's round is over
         self._probe_task: Optional[asyncio.Task] = None  # this round's liveness probe (averager process)
+        self._leaders: Optional[RecordLeaders] = None  # whom this round's matchmaking asks to lead (averager process)
         self.has_moment = moment is not None
         tensors = [delta] + ([moment] if moment is not None else [])
         super().__init__(
@@ -153,6 +156,11 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
             self.exact_timeout, self.part_timeout = allreduce_timeout, part_timeout
             matchmaking = internals.matchmaking(self)
             internals.raise_when_no_group(matchmaking, NoGroup)
+            if self._leaders is None:
+                self._leaders = RecordLeaders(self.peer_id.to_base58(), get_dht_time)
+                internals.seed_leaders(matchmaking, self._leaders.queue, self._leaders.is_expected)
+                internals.declare_in_background(matchmaking)
+            self._leaders.set_round(probe if phase == GROUP else ())  # our group's leader, from our records
             internals.use_round_key(matchmaking, bits)
             internals.set_group_sizes(matchmaking, min_group, max(expected_group, min_group))
             if probe:  # the event loop holds tasks weakly: keep a reference until it ends

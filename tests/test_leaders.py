@@ -1,0 +1,50 @@
+"""Whom a round's matchmaking asks to lead: the expected peers from our records, ranked by id (fake clock)."""
+
+import asyncio
+
+from peer.averaging.leaders import HOLD, RETRY_EVERY, RecordLeaders, leader_queue
+
+PEERS = ["QmA", "QmB", "QmC", "QmD"]
+
+
+def test_each_peer_asks_only_the_peers_below_it_lowest_first_before_its_own_window_ends():
+    queues = {own: leader_queue(own, PEERS, declared=100.0, now=90.0) for own in PEERS}
+    assert [peer for peer, _ in queues["QmA"]] == []  # the lowest asks nobody: it leads
+    assert [peer for peer, _ in queues["QmD"]] == ["QmA", "QmB", "QmC"]
+    for own, entries in queues.items():
+        # hivemind asks the entry of lowest expiration first, and only those ranking above its own declaration
+        assert entries == sorted(entries, key=lambda e: e[1]), own
+        assert all(90.0 < expiration <= 90.0 + HOLD and expiration < 100.0 for _, expiration in entries), own
+    # every peer that read the same records ranks the same lowest peer first
+    assert {entries[0][0] for own, entries in queues.items() if entries} == {"QmA"}
+
+
+def test_a_pass_ends_before_our_window_and_none_is_served_past_it():
+    entries = leader_queue("QmD", PEERS, declared=91.0, now=90.0)
+    assert all(expiration < 91.0 for _, expiration in entries)
+    assert leader_queue("QmD", PEERS, declared=90.01, now=90.0) == []
+
+
+def test_passes_repeat_from_the_lowest_every_retry_interval_and_a_round_without_peers_reads_the_dht(monkeypatch):
+    now = [50.0]
+    leaders = RecordLeaders("QmC", clock=lambda: now[0])
+    slept = []
+
+    async def fake_sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+
+    async def passes():
+        leaders.set_round(["QmC", "QmB", "QmA"])
+        first = await leaders.queue(declared=60.0)
+        second = await leaders.queue(declared=60.0)
+        leaders.set_round([])
+        return first, second, await leaders.queue(declared=60.0)
+
+    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
+    first, second, none = asyncio.run(passes())
+    assert [p for p, _ in first] == [p for p, _ in second] == ["QmA", "QmB"]
+    assert slept == [RETRY_EVERY]  # the round's first pass at once, the next one an interval later
+    assert second[0][1] > first[0][1]  # fresh entries: hivemind skips an entry it already asked, by (peer, expiry)
+    assert none is None  # no expected peers: hivemind's own lookup of the DHT's declarations
+    assert leaders.is_expected("QmA") is False  # cleared with the round
