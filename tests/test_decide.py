@@ -46,6 +46,17 @@ def test_ready_with_peers_at_our_state_averages_with_them_and_those_downloading_
     assert action.voters == 3  # us and the two at our state; neither the joiner nor the peer behind votes
 
 
+def test_one_group_of_all_closes_at_its_windows_end_only_as_a_majority_unless_we_are_stalled():
+    holders = [peer(f"h{i}") for i in range(5)]  # 6 voters: a group of 3 would be refused as a minority
+    assert decide(view(Phase.READY, *holders)).min_group == 4
+    # stalled, a minority may apply (consensus.minority), so it must be able to form: the quorum's floor again
+    assert decide(view(Phase.READY, *holders, stuck=MAX_MISSED - 1)).min_group == 0
+    # rounds of many groups: a group's majority is counted across groups, by their delegates
+    assert decide(dataclasses.replace(view(Phase.READY, *holders), group_size=2)).min_group == 0
+    # never more than the group we expect (a producer that votes but does not meet with us)
+    assert decide(view(Phase.READY, peer("a"), peer("p", epoch=4, state="zz"), producers=("p",))).min_group == 2
+
+
 def test_producers_vote_whatever_epoch_their_record_shows():
     producer = peer("p", epoch=4, state="zz", tokens=100)
     assert decide(view(Phase.READY, peer("a"), producer, producers=("p",))).voters == 3

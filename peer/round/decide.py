@@ -126,6 +126,7 @@ class Action:
     group: int = -1  # AVERAGE: which group we meet in (-1: one group of all)
     probe: Tuple[str, ...] = ()  # AVERAGE: the expected peers to dial while the group forms
     voters: int = 1  # AVERAGE: the electorate we count, us included
+    min_group: int = 0  # AVERAGE: the fewest members a group may close with at its window's end (0: the quorum's)
     delegate: str = ""  # RECEIVE: our group's delegate
     own_group: bool = False  # APPLY: our group's average, as a majority whose delegate met no other group's
 
@@ -163,6 +164,7 @@ class View:
     # this one: what the escapes to step alone count. A round that met others at our state (a minority group) says
     # they live, and a view emptied since by reads that time out says nothing of them (``Synchronizer.lonely``)
     lonely: int = 0
+    stuck: int = 0  # rounds in a row this peer sat at its state without applying, before this one
     producers: Tuple[str, ...] = ()  # the peers whose deltas our state's last outer step merged
     lookup_failed: bool = False  # the last read of the records timed out: what we know may be stale
     records_fresh: bool = False  # the records were read since the last attempt
@@ -223,8 +225,12 @@ def _ready(view: View) -> Action:
             return Action(Do.CROSS, expected=groups, voters=electorate)
         # a holder killed just now still has a fresh record: the averager asks the network whether it is gone
         probe = tuple(r.peer_id for r in holders if not r.client_mode and r.peer_id in mates)
+        # one group of all closes at its window's end only as a majority: a minority could not apply (the majority
+        # rule), and its members, sent away instead, can still join the majority's group in time. Unless we are
+        # stalled: then a minority may apply (consensus.minority), so it must be able to form
+        majority = electorate // 2 + 1 if groups == 1 and view.stuck + 1 < MAX_MISSED else 0
         return Action(Do.AVERAGE, expected=expected, target=size, groups=groups, group=group if groups > 1 else -1,
-                      probe=probe, voters=electorate)
+                      probe=probe, voters=electorate, min_group=min(size, majority))
     stalled = view.lonely + 1 >= MAX_MISSED
     if view.lookup_failed and not stalled:
         # stepping alone on a view that may be empty only because it is late would fork the run

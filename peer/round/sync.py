@@ -230,7 +230,7 @@ class Synchronizer:
     def _view(self, facts: dict, attempts: int, deadline: float) -> View:
         return View(mine=self.announcer.record(), records=tuple(self.cache.records.values()),
                     now=self.catchup.judged_at(), quorum=self.run.quorum, retries=self.config.retries,
-                    group_size=self.run.group_size,
+                    group_size=self.run.group_size, stuck=self.stuck,
                     attempts=attempts, time_left=deadline - self.clock.monotonic(), lonely=self.lonely,
                     producers=tuple(self.producers()), lookup_failed=self.cache.lookup_failed, **facts)
 
@@ -283,8 +283,9 @@ class Synchronizer:
         logger.debug(f"epoch {mine.epoch} {mine.state_hash[:6]}: expecting a group of {action.expected}")
         attempt.started, attempt.tries = self.clock.monotonic(), attempt.tries + 1
         contribution = self._contribution(action, attempt)
+        min_group = max(2, self.run.quorum, action.min_group)
         try:
-            self.transport.prepare(mine.epoch, mine.state_hash, max(2, self.run.quorum), action.target,
+            self.transport.prepare(mine.epoch, mine.state_hash, min_group, action.target,
                                    allreduce_timeout=self.deadlines.allreduce(size),
                                    part_timeout=self.deadlines.part(size), probe=action.probe, group=action.group,
                                    meet_at=attempt.meet_at if attempt.tries == 1 else None,  # a retry: from now
