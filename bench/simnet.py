@@ -196,6 +196,7 @@ class Forming:
     min_group: int
     deadline: float
     phase: str
+    window: float  # seconds a window lasts; a leader with too few members at its end looks again for another
     members: List[Member] = field(default_factory=list)
     closed: bool = False
 
@@ -256,7 +257,7 @@ class Network:
         room = self.rooms.setdefault(key, [])
         forming = next((f for f in room if not f.closed and len(f.members) < f.target), None)
         if forming is None:
-            forming = Forming(key, max(target, 1), min_group, self.scheduler.now + window, phase)
+            forming = Forming(key, max(target, 1), min_group, self.scheduler.now + window, phase, window)
             room.append(forming)
             self.scheduler.at(forming.deadline, lambda: self._deadline(forming))
             dead = [p for p in probe if p in self.peers and not self.peers[p].alive]
@@ -277,12 +278,14 @@ class Network:
     def _deadline(self, forming: Forming) -> None:
         if forming.closed:
             return
+        forming.members = [member for member in forming.members if member.peer.alive]  # the dead left it
         if len(forming.members) >= forming.min_group:
             self._assemble(forming)
+        elif forming.members:  # as hivemind's leader: too few, so it sends them away and looks again, a new window
+            forming.deadline = self.scheduler.now + forming.window
+            self.scheduler.at(forming.deadline, lambda: self._deadline(forming))
         else:
             forming.closed = True
-            for member in forming.members:
-                self._finish(member, NoGroup("could not find a group"))
 
     def _assemble(self, forming: Forming) -> None:
         forming.closed = True
@@ -442,6 +445,9 @@ class SimTransport:
         deadline = self.scheduler.now + timeout
         while not self.scheduler.block(until=min(deadline, self.scheduler.now + ABANDON_POLL), event=member.done):
             if self.scheduler.now >= deadline:
+                if not member.forming.closed:  # matchmaking's own timeout: hivemind's averager finds no group
+                    member.forming.members.remove(member)
+                    raise NoGroup("could not find a group")
                 member.outcome = member.outcome or TimeoutError("the sync deadline passed")
                 raise TimeoutError("the sync deadline passed")
             if not member.forming.closed and abandon():  # as the product's transport polls, until its group forms
