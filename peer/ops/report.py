@@ -37,7 +37,7 @@ class Reporter:
         self._task = None
 
     def info(self, message: str) -> None:
-        self.console.print(message, soft_wrap=True)
+        self.console.print(message, soft_wrap=True, markup=False)  # plain text: "[/ip4/...]" is an address
 
     # ---- the inner-step progress bar ----
     def start_round(self, epoch: int, total_steps: int) -> None:
@@ -70,7 +70,7 @@ class Reporter:
             f"{record['tokens_per_second']:,.0f} tok/s | sent {human_bytes(record['bytes_sent'])} "
             f"recv {human_bytes(record['bytes_received'])} | sync {record['sync_seconds']:.1f}s | "
             f"{record['state_hash'][:8]}{status}",
-            soft_wrap=True,
+            soft_wrap=True, markup=False,  # an error's text may hold "[/ip4/...]", which rich read as a closing tag
         )
         if self.metrics_file:
             with open(self.metrics_file, "a") as f:
