@@ -48,3 +48,8 @@ def test_passes_repeat_from_the_lowest_every_retry_interval_and_a_round_without_
     assert second[0][1] > first[0][1]  # fresh entries: hivemind skips an entry it already asked, by (peer, expiry)
     assert none is None  # no expected peers: hivemind's own lookup of the DHT's declarations
     assert leaders.is_expected("QmA") is False  # cleared with the round
+
+
+def test_a_client_which_cannot_lead_asks_every_expected_peer_lowest_first():
+    """A peer behind a NAT whose id sorts lowest asked nobody, and nobody asked it: it never met (seen in CI)."""
+    assert [peer for peer, _ in leader_queue("Qm0", PEERS, declared=100.0, now=90.0, client=True)] == PEERS

@@ -157,7 +157,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
             matchmaking = internals.matchmaking(self)
             internals.raise_when_no_group(matchmaking, NoGroup)
             if self._leaders is None:
-                self._leaders = RecordLeaders(self.peer_id.to_base58(), get_dht_time)
+                self._leaders = RecordLeaders(self.peer_id.to_base58(), get_dht_time, client=self.client_mode)
                 internals.seed_leaders(matchmaking, self._leaders.queue, self._leaders.is_expected)
                 internals.declare_in_background(matchmaking)
             self._leaders.set_round(probe if phase == GROUP else ())  # our group's leader, from our records

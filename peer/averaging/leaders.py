@@ -9,7 +9,8 @@ and they say who is expected in our group (``decide``'s probe list: the holders 
 accept connections).
 
 So a peer with a probe list asks those of its expected peers whose id sorts below its own, lowest first, and reads
-no declarations. Every peer that read the same records asks the same lowest peer; the lowest one that is in
+no declarations; a peer in client mode (behind a NAT: nobody can dial it, so it never leads, and nobody expects it
+to) asks all of them. Every peer that read the same records asks the same lowest peer; the lowest one that is in
 matchmaking leads, and the one below it all that comes later takes its group over (hivemind's own redirect: a
 leader that joins a better one sends its followers there). A peer that is not in matchmaking yet refuses at once;
 so the list is asked again every RETRY_EVERY seconds, from the lowest. A round without a probe list (a delegates'
@@ -31,11 +32,12 @@ HOLD = 2.0  # how long one pass's entries stay in hivemind's leader queue (expir
 MARGIN = 0.05  # seconds before our own window's end that a pass's entries expire, so they rank above us
 
 
-def leader_queue(own: str, expected: Sequence[str], declared: float, now: float) -> List[Tuple[str, float]]:
+def leader_queue(own: str, expected: Sequence[str], declared: float, now: float,
+                 client: bool = False) -> List[Tuple[str, float]]:
     """hivemind leader-queue entries (peer id, expiration) for one pass: the expected peers whose id sorts below
-    ``own``, lowest first, each expiring before our own declared window (``declared``), so that hivemind ranks
-    them above us, and in this order. Empty once our window is over."""
-    better = sorted(peer for peer in set(expected) if peer < own)
+    ``own`` (all of them for a ``client``, which cannot lead), lowest first, each expiring before our own declared
+    window (``declared``), so that hivemind ranks them above us, and in this order. Empty once our window is over."""
+    better = sorted(peer for peer in set(expected) if client or peer < own)
     expires = min(now + HOLD, declared - MARGIN)
     if expires <= now:
         return []
@@ -46,8 +48,8 @@ def leader_queue(own: str, expected: Sequence[str], declared: float, now: float)
 class RecordLeaders:
     """One averager's expected peers this round, and the leader queue it serves hivemind's matchmaking."""
 
-    def __init__(self, own: str, clock: Callable[[], float]):
-        self.own = own
+    def __init__(self, own: str, clock: Callable[[], float], client: bool = False):
+        self.own, self.client = own, client
         self.expected: frozenset = frozenset()
         self._first = True  # the first pass of a round is served at once
         self._clock = clock
@@ -67,4 +69,4 @@ class RecordLeaders:
         if not self._first:
             await asyncio.sleep(RETRY_EVERY)
         self._first = False
-        return leader_queue(self.own, sorted(self.expected), declared, self._clock())
+        return leader_queue(self.own, sorted(self.expected), declared, self._clock(), self.client)
