@@ -11,7 +11,7 @@ accept connections).
 So a peer with a probe list asks those of its expected peers whose id sorts below its own, lowest first, and reads
 no declarations; a peer in client mode (behind a NAT: nobody can dial it, so it never leads, and nobody expects it
 to) asks all of them. Every peer that read the same records asks the same lowest peer; the lowest one that is in
-matchmaking leads, and the one below it all that comes later takes its group over (hivemind's own redirect: a
+matchmaking leads, and a lower one that comes later takes its group over (hivemind's own redirect: a
 leader that joins a better one sends its followers there). A peer that is not in matchmaking yet refuses at once;
 so the list is asked again every RETRY_EVERY seconds, from the lowest. A round without a probe list (a delegates'
 cross, a peer that read no records) keeps hivemind's DHT declarations.
