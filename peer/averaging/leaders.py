@@ -25,14 +25,14 @@ first leaves the group before it closes (hivemind drops a follower whose request
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 RETRY_EVERY = 1.0  # seconds between two passes over our better-ranked peers
 HOLD = 2.0  # how long one pass's entries stay in hivemind's leader queue (expired entries are dropped unasked)
 MARGIN = 0.05  # seconds before our own window's end that a pass's entries expire, so they rank above us
 
 
-def leader_queue(own: str, expected: Sequence[str], declared: float, now: float,
+def leader_queue(own: str, expected: Iterable[str], declared: float, now: float,
                  client: bool = False) -> List[Tuple[str, float]]:
     """hivemind leader-queue entries (peer id, expiration) for one pass: the expected peers whose id sorts below
     ``own`` (all of them for a ``client``, which cannot lead), lowest first, each expiring before our own declared
@@ -69,4 +69,4 @@ class RecordLeaders:
         if not self._first:
             await asyncio.sleep(RETRY_EVERY)
         self._first = False
-        return leader_queue(self.own, sorted(self.expected), declared, self._clock(), self.client)
+        return leader_queue(self.own, self.expected, declared, self._clock(), self.client)
