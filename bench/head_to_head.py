@@ -107,7 +107,7 @@ def start_workers(system: str, preset: str, swarm: Swarm, net: TestNetwork, args
         else:
             proc = Proc(argv, log_dir, f"w{i}", wrap)
             proc.metrics_path = metrics
-        swarm.procs.append(proc)  # Swarm.close kills its process group
+        swarm.track(proc)
         workers.append(proc)
     return workers
 

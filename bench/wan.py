@@ -159,7 +159,7 @@ def start_workers(swarm: Swarm, net: TestNetwork, system: str, preset: str, args
             if args.checkpoints:  # written (and fsynced) on the training thread at every round's end
                 argv += ["--checkpoint-dir", str(log_dir / f"p{i}-checkpoint")]
             proc = PeerProc(argv, log_dir, f"p{i}", wrap)
-        swarm.procs.append(proc)  # Swarm.close kills its process group
+        swarm.track(proc)
         workers.append(proc)
     return workers
 

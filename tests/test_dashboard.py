@@ -116,8 +116,8 @@ def test_the_dashboard_lists_the_peers_follows_their_epochs_without_a_reload_and
         for peer in peers:
             peer.wait_rounds(1, timeout=180)
         ids = {peer.metrics[0]["peer_id"]: peer for peer in peers}
-        observer = Proc([sys.executable, "-m", "peer", "status", "--initial-peers", swarm.maddr, "--serve", "0"],
-                        tmp_path, "observer")
+        observer = swarm.track(Proc([sys.executable, "-m", "peer", "status", "--initial-peers", swarm.maddr,
+                                     "--serve", "0"], tmp_path, "observer"))
         url = wait_until(lambda: (re.findall(r"at (http://\S+/)", observer.stdout) or [None])[0], 60,
                          "the observer's dashboard address")
         driver.get(url)

@@ -98,13 +98,12 @@ def test_identity_used_by_another_live_peer(tmp_path):
     key = tmp_path / "bootstrap.key"
     swarm = Swarm(tmp_path)
     try:
-        first = Proc([sys.executable, "-m", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-path",
-                      str(key), "--initial-peers", swarm.maddr], tmp_path, "first")
+        first = swarm.track(Proc([sys.executable, "-m", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+                                  "--identity-path", str(key), "--initial-peers", swarm.maddr], tmp_path, "first"))
         wait_until(lambda: MADDR.findall(first.stdout), 60, "the first node")
         result = run_cli(sys.executable, "-m", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--identity-path",
                          str(key), "--initial-peers", swarm.maddr)
         assert_one_line_error(result, f"identity {key} is used by another live peer", "its own --identity-path")
-        first.kill_group()
     finally:
         swarm.close()
 

@@ -163,12 +163,14 @@ class Swarm:
     def __init__(self, log_dir: Path, net=None, defaults: Sequence[str] = (*FAST_RUN, *FAST_NODE)):
         self.log_dir, self.procs, self.net, self.defaults = log_dir, [], net, tuple(defaults)
         self.host = net.host_ip if net is not None else "127.0.0.1"
-        self.bootstrap = self._track(Proc([sys.executable, "-m", "dht", "--host-maddrs", f"/ip4/{self.host}/tcp/0"],
+        self.bootstrap = self.track(Proc([sys.executable, "-m", "dht", "--host-maddrs", f"/ip4/{self.host}/tcp/0"],
                                           log_dir, "bootstrap"))
         self.maddr = wait_until(lambda: (MADDR.findall(self.bootstrap.stdout) or [None])[0], 60,
                                 "the bootstrap node's multiaddr")
 
-    def _track(self, proc: Proc) -> Proc:
+    def track(self, proc: Proc) -> Proc:
+        """Have ``close`` kill ``proc`` too (an observer, a second DHT node: any process a test starts beside the
+        swarm's peers), whether or not the test reaches its own cleanup."""
         self.procs.append(proc)
         return proc
 
@@ -187,11 +189,11 @@ class Swarm:
             host, wrap = self.net.ip(namespace), lambda argv: self.net.wrap(namespace, argv)
         harness = [*(("--fault-plan", faults) if faults else ()), *(("--byzantine", byzantine) if byzantine else ())]
         args = [*self.defaults, "--host-maddrs", f"/ip4/{host}/tcp/0", *extra, *args]
-        return self._track(PeerProc(args, self.log_dir, name, wrap, harness, metrics_path))
+        return self.track(PeerProc(args, self.log_dir, name, wrap, harness, metrics_path))
 
     def restart(self, proc: PeerProc, name: str) -> PeerProc:
         """``proc``'s command again under a new name (fresh log files), appending to the same metrics file."""
-        return self._track(PeerProc(proc.peer_args, self.log_dir, name, harness=proc.harness,
+        return self.track(PeerProc(proc.peer_args, self.log_dir, name, harness=proc.harness,
                                     metrics_path=proc.metrics_path))
 
     def stop(self, timeout: float) -> Dict[str, Optional[int]]:
