@@ -14,7 +14,7 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Optional, Set, Tuple
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -144,6 +144,9 @@ class SwarmDHT(hivemind.DHT):
         super().run()
 
 
+_THROWAWAY: Set[str] = set()  # the identity files signing_identity made up for a peer that named none
+
+
 def _check_identity_dir(config: DHTConfig) -> None:
     if config.identity_path:
         directory = os.path.dirname(os.path.abspath(config.identity_path))
@@ -159,8 +162,9 @@ def signing_identity(config: DHTConfig) -> Tuple[DHTConfig, bool]:
     _check_identity_dir(config)
     if config.identity_path is None:
         directory = tempfile.mkdtemp(prefix="diloco-identity-")
-        atexit.register(shutil.rmtree, directory, True)
+        atexit.register(shutil.rmtree, directory, True)  # if the DHT never starts (dht_ready removes it otherwise)
         config = dataclasses.replace(config, identity_path=os.path.join(directory, "identity.key"))
+        _THROWAWAY.add(config.identity_path)
     fresh = not os.path.exists(config.identity_path)
     if fresh:
         P2P.generate_identity(config.identity_path)
@@ -210,6 +214,9 @@ def dht_ready(dht: SwarmDHT, config: DHTConfig) -> SwarmDHT:
     """Wait until ``start_dht``'s node runs; its failures as ``start_dht`` says them."""
     try:
         dht.wait_until_ready()
+        if config.identity_path in _THROWAWAY:  # its p2p daemon has read the key: a SIGKILL must not leave it in /tmp
+            _THROWAWAY.discard(config.identity_path)
+            shutil.rmtree(os.path.dirname(config.identity_path), ignore_errors=True)
         if not config.client_mode:
             serve_dial_back(dht)  # others may ask whether they can be dialled (dht/reach.py)
         return dht

@@ -4,7 +4,11 @@ import asyncio
 import concurrent.futures
 import functools
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import types
 
@@ -18,7 +22,7 @@ from dht.manifest import RunManifest, fetch_manifest, join_or_create, manifest_k
 from dht.node import LOOPBACK, DHTConfig, SwarmDHT, reach_out, start_dht
 from dht.records import PeerRecord, RecordPublisher, RecordReader, fetch_records, publish_record
 from dht.validation import signing_peer_id
-from tests.harness.swarm import wait_until
+from tests.harness.swarm import ROOT, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -341,3 +345,19 @@ def test_a_node_checks_each_record_once_and_a_bad_one_every_time():
     renewed = DHTRecord(b"k", b"s", b"v1", 102.0)  # a heartbeat: the same value, a new expiration, checked anew
     assert validator.validate(renewed) and len(Counting.checked) == 4
     assert validator.validate(DHTRecord(b"k", b"s", b"v2", 100.0)) and first not in validator.passed  # bounded
+
+
+def test_a_made_up_identity_leaves_no_file_behind_even_when_its_peer_is_killed(tmp_path):
+    # a peer that names no --identity-path and keeps no checkpoint gets a throwaway key file; it goes as soon as the
+    # p2p daemon has read it: a SIGKILLed peer runs no exit handler (benchmarks and tests left one per kill in /tmp)
+    script = ("import os, signal, sys; from dht.node import LOOPBACK, DHTConfig, signing_identity, start_dht; "
+              "config, fresh = signing_identity(DHTConfig(host_maddrs=(LOOPBACK,))); "
+              "print(config.identity_path, fresh, os.path.exists(config.identity_path), flush=True); "
+              "dht = start_dht(config, check_identity=False); print(dht.peer_id, flush=True); "
+              "os.killpg(0, signal.SIGKILL)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT, start_new_session=True)
+    lines = result.stdout.split("\n")
+    path, fresh, existed = lines[0].split()
+    assert (fresh, existed) == ("True", "True") and lines[1].startswith("Qm"), result.stdout + result.stderr[-2000:]
+    assert result.returncode == -signal.SIGKILL and not os.path.exists(os.path.dirname(path))
