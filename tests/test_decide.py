@@ -62,6 +62,24 @@ def test_producers_vote_whatever_epoch_their_record_shows():
     assert decide(view(Phase.READY, peer("a"), producer, producers=("p",))).voters == 3
 
 
+def test_the_producers_of_our_state_are_expected_while_their_records_still_show_the_epoch_before():
+    # they applied the outer step that made our state: counting only the records that show it, a leader on a late
+    # DHT closed its group at the 7 of 15 it saw, a minority
+    late = [peer(f"p{i}", epoch=4, state="zz", tokens=100) for i in range(3)]
+    action = decide(view(Phase.READY, peer("a"), *late, producers=("a", "p0", "p1", "p2")))
+    assert (action.do, action.expected, action.target, action.voters) == (Do.AVERAGE, 5, 5, 5)
+    assert action.probe == ("a", "p0", "p1", "p2") and action.min_group == 3
+    # alone at our state by the records: we wait for them instead of telling them to catch up with us
+    assert decide(view(Phase.READY, *late, producers=("p0", "p1", "p2"))).target == 4
+    # a producer downloading our state counts once; one ahead of us, or dead, or not a producer, not at all
+    joiner = peer("p0", epoch=4, state="zz", tokens=100, adopting="aa")
+    ahead = peer("p1", epoch=6, state="cc", tokens=900)
+    dead = dataclasses.replace(peer("p2", epoch=4, state="zz", tokens=100), updated_at=NOW - 60.0)
+    stranger = peer("s", epoch=4, state="zz", tokens=100)
+    action = decide(view(Phase.READY, peer("a"), joiner, ahead, dead, stranger, producers=("a", "p0", "p1", "p2")))
+    assert (action.expected, action.target) == (3, 3)
+
+
 def test_ready_alone():
     assert decide(view(Phase.READY)) == Action(Do.STEP_ALONE)
     assert decide(view(Phase.READY, finite=False)) == Action(Do.FINISH, Outcome.DIVERGED)

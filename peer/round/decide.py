@@ -47,6 +47,7 @@ from peer.swarm.consensus import (
     peers_ahead,
     peers_behind,
     peers_with_state,
+    producers_behind,
     syncing_now,
     voters,
 )
@@ -211,8 +212,10 @@ def _next(view: View, outcome: Optional[Outcome] = None, send_carried: bool = Fa
 def _ready(view: View) -> Action:
     if not view.finite:
         return Action(Do.FINISH, Outcome.DIVERGED)
-    holders = peers_with_state(view.records, view.mine, view.now)
     joiners = joining(view.records, view.mine, view.now)
+    # the peers at our state: those whose records say so, and those of its producers whose records are still late
+    late = [r for r in producers_behind(view.records, view.mine, view.now, view.producers) if r not in joiners]
+    holders = peers_with_state(view.records, view.mine, view.now) + late
     expected = 1 + len(holders) + len(joiners)
     if expected > 1:
         group, size, mates, groups = plan([r.peer_id for r in holders + joiners], view.mine.peer_id,

@@ -142,6 +142,18 @@ def peers_behind(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[
             if r.peer_id != mine.peer_id and r.epoch < mine.epoch and responsive(r, now)]
 
 
+def producers_behind(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None,
+                     producers: Iterable[str] = ()) -> List[PeerRecord]:
+    """Other active, responsive peers whose deltas produced our state (``producers``) and whose record still shows an
+    earlier epoch: they applied the same outer step as we did, so they hold our state, and their record says so as
+    soon as it is republished and read. Expected in our group: counting only the records that show our state, a
+    leader on a DHT a few seconds late closed its group at the 7 of 15 it saw, a minority, while the other 8 arrived
+    (16 real peers, ``bench/results/scale.md``)."""
+    now = get_dht_time() if now is None else now
+    producers = set(producers)
+    return [r for r in peers_behind(records, mine, now) if r.peer_id in producers]
+
+
 def peers_ahead(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[PeerRecord]:
     """Other active, responsive peers whose state wins the fork choice over ours. While one lives, a peer without a
     group never steps alone: its own step could only fork the run and lose; it catches up instead. (Stale records of
