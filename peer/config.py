@@ -251,7 +251,8 @@ class SyncConfig:
         return max(self.allreduce_timeout, 3 * payload_bytes * 8 / (uplink * 1e6))
 
     def round_budget(self, grace_seconds: float, allreduce_timeout: float) -> float:
-        """The longest a round's sync may block this peer: matchmaking plus all-reduce, per attempt."""
+        """The longest a round's sync may block this peer: matchmaking (our window, and as long again waiting for a
+        leader whose window ends later: ``SwarmAverager.patience``) plus all-reduce, per attempt."""
         if self.sync_timeout:
             return self.sync_timeout
-        return (1 + self.retries) * (grace_seconds + 2 * self.request_timeout + allreduce_timeout)
+        return (1 + self.retries) * (2 * grace_seconds + 2 * self.request_timeout + allreduce_timeout)

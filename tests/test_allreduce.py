@@ -52,12 +52,12 @@ def shared_state(epoch=7):
 
 
 def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None, clip_factor=0.0, ban_after=0,
-                   runners=(ExactAllReduceRunner,) * 3):
+                   runners=(ExactAllReduceRunner,) * 3, grace=2.0):
     averagers = []
     for dht, hook, runner in zip(dhts, hooks, runners):
         averager = SwarmAverager(
             torch.zeros(SIZE), None, dht, prefix=prefix, codec=get_codec(codec),
-            state_provider=lambda: state or ({}, []), quorum=1, grace_seconds=2.0, request_timeout=1.0,
+            state_provider=lambda: state or ({}, []), quorum=1, grace_seconds=grace, request_timeout=1.0,
             allreduce_timeout=10.0, part_timeout=3.0, client_mode=False, hooks=hook, part_size_bytes=2**16,
             clip_factor=clip_factor, ban_after=ban_after,
         )
@@ -298,6 +298,38 @@ def test_a_group_forms_from_the_records_while_the_dht_answers_late(dhts):
     finally:
         for dht in dhts:
             dht.run_coroutine(functools.partial(_make_late, 0))
+        for averager in averagers:
+            averager.shutdown()
+
+
+def test_a_follower_waits_for_a_leader_whose_window_ends_after_its_own(dhts):
+    """The lowest id leads (from the records). It reaches the meeting a moment after the others, so its window ends 3 s
+    after theirs: hivemind's followers, accepted in their windows, gave up on it 1 s (a request timeout) past them,
+    and nobody met. Waiting up to one more window (``SwarmAverager.patience``), they meet, bit-identical."""
+    averagers = make_averagers(dhts, "late_leader", "none", grace=4.0)
+    ids = [averager.peer_id.to_base58() for averager in averagers]
+    leader = min(range(3), key=ids.__getitem__)
+    try:
+        values = [torch.full((SIZE,), float(i)) for i in range(3)]
+        for index, (averager, value) in enumerate(zip(averagers, values)):
+            with averager.get_tensors() as (delta,):
+                delta.copy_(value)
+            # a fourth peer is expected and never comes: the leader closes at its window's end
+            averager.prepare_round(0, "cafe", min_group=3, expected_group=4, allreduce_timeout=30.0, part_timeout=10.0,
+                                   probe=ids[:index] + ids[index + 1:])
+        start, controls = get_dht_time(), {}
+        for index in sorted(range(3), key=lambda i: i == leader):  # the followers first, then the leader
+            window = 4.0 + 3.0 * (index == leader)  # as the transport counts it: the leader's ends 3 s later
+            controls[index] = averagers[index].step(
+                gather=dict(epoch=0, hash="cafe", tokens=1, align=False), weight=1.0,
+                scheduled_time=start + window, timeout=window + averagers[index].patience + 1.0 + 1.0,
+                allow_retries=False, wait=False)
+        outcomes = [controls[index].result(timeout=60) for index in range(3)]
+        assert all(len(outcome.gathered) == 3 for outcome in outcomes)
+        for averager in averagers:
+            with averager.get_tensors() as (delta,):
+                assert torch.equal(delta, torch.full((SIZE,), 1.0))
+    finally:
         for averager in averagers:
             averager.shutdown()
 

@@ -75,6 +75,9 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         self.clip_factor, self.bans = clip_factor, Bans(ban_after)
         self.exact_timeout, self.part_timeout = allreduce_timeout, part_timeout  # set per round by prepare_round
         self._traffic = mp.Array(ctypes.c_ulonglong, 2)  # written by the averager process, read by ours
+        # how long past our window we still wait for a leader's group: its window ends at most one grace after ours,
+        # if it reached the meeting before our window ended (``internals.wait_past_window``)
+        self.patience = grace_seconds
         self.max_upload_mbit = max_upload_mbit  # pace our sends below this (0: unpaced; peer/averaging/pacing.py)
         self.round_epoch = -1  # the epoch being synced, as set by prepare_round (averager process)
         self.round_phase, self.round_key = GROUP, ""  # which all-reduce this round's step runs, and the round's key
@@ -160,6 +163,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
                 self._leaders = RecordLeaders(self.peer_id.to_base58(), get_dht_time, client=self.client_mode)
                 internals.seed_leaders(matchmaking, self._leaders.queue, self._leaders.is_expected)
                 internals.declare_in_background(matchmaking)
+                internals.wait_past_window(matchmaking, self.patience)
             self._leaders.set_round(probe if phase == GROUP else ())  # our group's leader, from our records
             internals.use_round_key(matchmaking, bits)
             internals.set_group_sizes(matchmaking, min_group, max(expected_group, min_group))

@@ -189,7 +189,8 @@ class SwarmTransport:
         window = max(self.meet_at or now, now) - now + self.grace * (CROSS_WINDOW if self.phase == CROSS else 1)
         control = self.averager.step(
             gather=contribution.to_wire(), weight=float(weight), scheduled_time=now + window,
-            timeout=window + self.averager.matchmaking_kwargs["request_timeout"] + 1.0, allow_retries=False,
+            timeout=window + self.averager.patience + self.averager.matchmaking_kwargs["request_timeout"] + 1.0,
+            allow_retries=False,
             wait=False,
         )
         deadline = time.monotonic() + max(timeout, 0.1)
