@@ -232,8 +232,8 @@ def seed_leaders(matchmaking, source: Callable[[float], Awaitable[Optional[List[
     matchmaking._seeded = True
 
 
-def wait_past_window(matchmaking, seconds: float) -> None:
-    """Ask leaders to take us, and once accepted wait for their group, as if our window ended ``seconds`` later.
+def wait_past_window(matchmaking, seconds: Callable[[], float]) -> None:
+    """Ask leaders to take us, and once accepted wait for their group, as if our window ended ``seconds()`` later.
     hivemind's follower gives up on its leader when its own window ends (plus a request timeout), while a leader
     waits out its own: a leader whose window ends later (it reached the meeting later) lost every follower that
     came before it. Measured: 10 of a 16-peer swarm's followers left one leader 2.5 s past their windows; 3 of them
@@ -241,7 +241,7 @@ def wait_past_window(matchmaking, seconds: float) -> None:
     if getattr(matchmaking, "_waits_past_window", False):
         return
     expiration = matchmaking.get_request_expiration_time
-    matchmaking.get_request_expiration_time = lambda: expiration() + seconds
+    matchmaking.get_request_expiration_time = lambda: expiration() + seconds()
     matchmaking._waits_past_window = True
 
 

@@ -130,13 +130,16 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
     # ---- round control (main process -> averager process) ----
     def prepare_round(self, epoch: int, state_hash: str, min_group: int, expected_group: int,
                       allreduce_timeout: float, part_timeout: float, probe: Sequence[str] = (),
-                      phase: str = GROUP, group: int = -1) -> None:
+                      phase: str = GROUP, group: int = -1, patience: Optional[float] = None) -> None:
         """Use this round's matchmaking key and deadlines. A leader closes the group as soon as
         ``expected_group`` peers joined, or when its grace window ends with at least ``min_group``; below
         that, no group forms. Expected peers listed in ``probe`` are dialled meanwhile, and each one that
         cannot be reached (``liveness.gone``) is taken off the expected group. ``phase``: ``GROUP`` meets the
         peers at our state (in ``group`` of a round of many; -1: one group of all), ``CROSS`` the delegates of its
-        groups; each under a key of its own."""
+        groups; each under a key of its own. ``patience``: how long past our window we wait for a leader's group
+        (this round's window; the grace we were built with if None)."""
+        if patience is not None:
+            self.patience = patience  # for the step's timeout, here; the averager process sets its own copy
         future = MPFuture()
         if phase == CROSS:
             bits = round_bits(epoch, f"{state_hash}/{CROSS}")
@@ -145,14 +148,16 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         internals.call_in_averager(self, "_prepare_round", epoch=epoch, bits=bits, phase=phase, group=group,
                                    key=result_key(epoch, state_hash), min_group=min_group,
                                    expected_group=expected_group, allreduce_timeout=allreduce_timeout,
-                                   part_timeout=part_timeout, probe=list(probe), future=future)
+                                   part_timeout=part_timeout, probe=list(probe), patience=self.patience,
+                                   future=future)
         future.result(timeout=30)
 
     async def _prepare_round(self, epoch: int, bits: str, phase: str, group: int, key: str, min_group: int,
                              expected_group: int, allreduce_timeout: float, part_timeout: float, probe: List[str],
-                             future: MPFuture) -> None:
+                             patience: float, future: MPFuture) -> None:
         try:
             self._rounds_prepared += 1
+            self.patience = patience
             self.round_epoch, self.round_phase, self.round_key, self.round_group = epoch, phase, key, group
             if phase == CROSS:
                 self._result(key)  # pending: our groupmates may ask for it from now on
@@ -163,7 +168,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
                 self._leaders = RecordLeaders(self.peer_id.to_base58(), get_dht_time, client=self.client_mode)
                 internals.seed_leaders(matchmaking, self._leaders.queue, self._leaders.is_expected)
                 internals.declare_in_background(matchmaking)
-                internals.wait_past_window(matchmaking, self.patience)
+                internals.wait_past_window(matchmaking, lambda: self.patience)
             self._leaders.set_round(probe if phase == GROUP else ())  # our group's leader, from our records
             internals.use_round_key(matchmaking, bits)
             internals.set_group_sizes(matchmaking, min_group, max(expected_group, min_group))

@@ -132,7 +132,8 @@ class SwarmTransport:
                 meet_at: Optional[float] = None, grace: Optional[float] = None) -> None:
         self.meet_at, self.grace = meet_at, grace or self.grace_seconds
         self.averager.prepare_round(epoch, state_hash, min_group, expected_group, allreduce_timeout=allreduce_timeout,
-                                    part_timeout=part_timeout, probe=probe, phase=phase, group=group)
+                                    part_timeout=part_timeout, probe=probe, phase=phase, group=group,
+                                    patience=self.grace)
         self.phase = phase
 
     def receive(self, delegate: str, epoch: int, state_hash: str, aligned: bool, timeout: float,
