@@ -2,6 +2,7 @@
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import os
@@ -345,6 +346,23 @@ def test_a_node_checks_each_record_once_and_a_bad_one_every_time():
     renewed = DHTRecord(b"k", b"s", b"v1", 102.0)  # a heartbeat: the same value, a new expiration, checked anew
     assert validator.validate(renewed) and len(Counting.checked) == 4
     assert validator.validate(DHTRecord(b"k", b"s", b"v2", 100.0)) and first not in validator.passed  # bounded
+
+
+def test_validators_added_later_join_the_remembered_ones_and_a_record_is_signed_once():
+    # hivemind.Optimizer adds its own signature validator to the DHT (``DHT.add_validators``); beside ours it signed
+    # every progress record twice, no record passed, and its peers never found each other (bench.head_to_head)
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.validation import CompositeValidator, DHTRecord
+
+    from dht.validation import RememberingValidator, signer
+
+    ours = RSASignatureValidator()
+    node = CompositeValidator([RememberingValidator([signer()])])  # as start_dht builds a node's validators
+    node.extend([RSASignatureValidator()])
+    record = DHTRecord(b"progress", ours.local_public_key, b"value", get_dht_time() + 60)
+    signed = dataclasses.replace(record, value=node.sign_value(record))
+    assert signed.value.count(b"[signature:") == 1 and node.validate(signed)
+    assert node.strip_value(signed) == b"value"
 
 
 def test_a_made_up_identity_leaves_no_file_behind_even_when_its_peer_is_killed(tmp_path):
