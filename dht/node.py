@@ -147,6 +147,15 @@ class SwarmDHT(hivemind.DHT):
 _THROWAWAY: Set[str] = set()  # the identity files signing_identity made up for a peer that named none
 
 
+def discard_made_up_identity(config: DHTConfig) -> None:
+    """Remove the identity file ``signing_identity`` made up for ``config``, once the node that uses it runs and no
+    other will start from it (a restart into client mode or through a relay reads it again): a SIGKILLed peer runs
+    no exit handler, and kills in tests and benchmarks had left 112 of them in /tmp."""
+    if config.identity_path in _THROWAWAY:
+        _THROWAWAY.discard(config.identity_path)
+        shutil.rmtree(os.path.dirname(config.identity_path), ignore_errors=True)
+
+
 def _check_identity_dir(config: DHTConfig) -> None:
     if config.identity_path:
         directory = os.path.dirname(os.path.abspath(config.identity_path))
@@ -162,7 +171,7 @@ def signing_identity(config: DHTConfig) -> Tuple[DHTConfig, bool]:
     _check_identity_dir(config)
     if config.identity_path is None:
         directory = tempfile.mkdtemp(prefix="diloco-identity-")
-        atexit.register(shutil.rmtree, directory, True)  # if the DHT never starts (dht_ready removes it otherwise)
+        atexit.register(shutil.rmtree, directory, True)  # unless discard_made_up_identity removed it before
         config = dataclasses.replace(config, identity_path=os.path.join(directory, "identity.key"))
         _THROWAWAY.add(config.identity_path)
     fresh = not os.path.exists(config.identity_path)
@@ -214,9 +223,6 @@ def dht_ready(dht: SwarmDHT, config: DHTConfig) -> SwarmDHT:
     """Wait until ``start_dht``'s node runs; its failures as ``start_dht`` says them."""
     try:
         dht.wait_until_ready()
-        if config.identity_path in _THROWAWAY:  # its p2p daemon has read the key: a SIGKILL must not leave it in /tmp
-            _THROWAWAY.discard(config.identity_path)
-            shutil.rmtree(os.path.dirname(config.identity_path), ignore_errors=True)
         if not config.client_mode:
             serve_dial_back(dht)  # others may ask whether they can be dialled (dht/reach.py)
         return dht

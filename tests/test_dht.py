@@ -366,13 +366,14 @@ def test_validators_added_later_join_the_remembered_ones_and_a_record_is_signed_
 
 
 def test_a_made_up_identity_leaves_no_file_behind_even_when_its_peer_is_killed(tmp_path):
-    # a peer that names no --identity-path and keeps no checkpoint gets a throwaway key file; it goes as soon as the
-    # p2p daemon has read it: a SIGKILLed peer runs no exit handler (benchmarks and tests left one per kill in /tmp)
-    script = ("import os, signal, sys; from dht.node import LOOPBACK, DHTConfig, signing_identity, start_dht; "
+    # a peer that names no --identity-path and keeps no checkpoint gets a throwaway key file; it goes once the peer's
+    # DHT node runs for good: a SIGKILLed peer runs no exit handler (benchmarks and tests left one per kill in /tmp)
+    script = ("import os, signal, sys; "
+              "from dht.node import LOOPBACK, DHTConfig, discard_made_up_identity, signing_identity, start_dht; "
               "config, fresh = signing_identity(DHTConfig(host_maddrs=(LOOPBACK,))); "
               "print(config.identity_path, fresh, os.path.exists(config.identity_path), flush=True); "
               "dht = start_dht(config, check_identity=False); print(dht.peer_id, flush=True); "
-              "os.killpg(0, signal.SIGKILL)")
+              "discard_made_up_identity(config); os.killpg(0, signal.SIGKILL)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                             cwd=ROOT, start_new_session=True)
     lines = result.stdout.split("\n")

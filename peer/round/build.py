@@ -27,7 +27,7 @@ from dht.addresses import parse_maddrs
 from dht.errors import UserError
 from dht.joining import reachable
 from dht.manifest import RunManifest, join_or_create, listed_name, publish_manifest, run_namespace
-from dht.node import DHTConfig, dht_ready, signing_identity, start_dht
+from dht.node import DHTConfig, dht_ready, discard_made_up_identity, signing_identity, start_dht
 from dht.reach import Reach
 from dht.validation import run_validators
 from peer import config_file
@@ -128,6 +128,7 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         if restarted is not dht:  # relayed, or in client mode: the first one is shut down
             dht = restarted
             closer.callback(_shut_down, dht)
+        discard_made_up_identity(net)  # our DHT node runs for good now
         run = _as_here(manifest.settings, run_flags)  # this node's model copies
         if node.checkpoint_dir:
             keep_tokenizer(run, node.checkpoint_dir)
