@@ -87,6 +87,14 @@ def run_round(averagers, values, weights, deadlines=(30.0, 10.0), ids=None):
     return controls
 
 
+def assert_met_as_one(averagers, outcomes):
+    """The three averagers of a round of deltas 0, 1 and 2 met in one group and hold its mean, bit-identical."""
+    assert all(len(outcome.gathered) == 3 for outcome in outcomes)
+    for averager in averagers:
+        with averager.get_tensors() as (delta,):
+            assert torch.equal(delta, torch.full((SIZE,), 1.0))
+
+
 @pytest.mark.parametrize("codec", ["none", "fp16", "int4-huffman"])
 def test_members_end_bit_identical_with_the_weighted_mean(dhts, codec):
     averagers = make_averagers(dhts, f"exact_{codec}", codec)
@@ -290,11 +298,8 @@ def test_a_group_forms_from_the_records_while_the_dht_answers_late(dhts):
         for control in run_round(averagers, values, [1, 1, 1]):  # no records: hivemind's declarations, read late
             with pytest.raises(NoGroup):
                 control.result(timeout=LATE / 2)
-        outcomes = [control.result(timeout=LATE / 2) for control in run_round(averagers, values, [1, 1, 1], ids=ids)]
-        assert all(len(outcome.gathered) == 3 for outcome in outcomes)
-        for averager in averagers:
-            with averager.get_tensors() as (delta,):
-                assert torch.equal(delta, torch.full((SIZE,), 1.0))
+        assert_met_as_one(averagers, [control.result(timeout=LATE / 2)
+                                      for control in run_round(averagers, values, [1, 1, 1], ids=ids)])
     finally:
         for dht in dhts:
             dht.run_coroutine(functools.partial(_make_late, 0))
@@ -324,11 +329,7 @@ def test_a_follower_waits_for_a_leader_whose_window_ends_after_its_own(dhts):
                 gather=dict(epoch=0, hash="cafe", tokens=1, align=False), weight=1.0,
                 scheduled_time=start + window, timeout=window + averagers[index].patience + 1.0 + 1.0,
                 allow_retries=False, wait=False)
-        outcomes = [controls[index].result(timeout=60) for index in range(3)]
-        assert all(len(outcome.gathered) == 3 for outcome in outcomes)
-        for averager in averagers:
-            with averager.get_tensors() as (delta,):
-                assert torch.equal(delta, torch.full((SIZE,), 1.0))
+        assert_met_as_one(averagers, [controls[index].result(timeout=60) for index in range(3)])
     finally:
         for averager in averagers:
             averager.shutdown()
