@@ -138,8 +138,6 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         peers at our state (in ``group`` of a round of many; -1: one group of all), ``CROSS`` the delegates of its
         groups; each under a key of its own. ``patience``: how long past our window we wait for a leader's group
         (this round's window; the grace we were built with if None)."""
-        if patience is not None:
-            self.patience = patience  # for the step's timeout, here; the averager process sets its own copy
         future = MPFuture()
         if phase == CROSS:
             bits = round_bits(epoch, f"{state_hash}/{CROSS}")
@@ -148,8 +146,8 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         internals.call_in_averager(self, "_prepare_round", epoch=epoch, bits=bits, phase=phase, group=group,
                                    key=result_key(epoch, state_hash), min_group=min_group,
                                    expected_group=expected_group, allreduce_timeout=allreduce_timeout,
-                                   part_timeout=part_timeout, probe=list(probe), patience=self.patience,
-                                   future=future)
+                                   part_timeout=part_timeout, probe=list(probe),
+                                   patience=self.patience if patience is None else patience, future=future)
         future.result(timeout=30)
 
     async def _prepare_round(self, epoch: int, bits: str, phase: str, group: int, key: str, min_group: int,

@@ -190,7 +190,8 @@ class SwarmTransport:
         window = max(self.meet_at or now, now) - now + self.grace * (CROSS_WINDOW if self.phase == CROSS else 1)
         control = self.averager.step(
             gather=contribution.to_wire(), weight=float(weight), scheduled_time=now + window,
-            timeout=window + self.averager.patience + self.averager.matchmaking_kwargs["request_timeout"] + 1.0,
+            # past our window: the patience prepare gave the averager (this round's grace), a request timeout, a second
+            timeout=window + self.grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0,
             allow_retries=False,
             wait=False,
         )
