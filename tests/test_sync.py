@@ -7,6 +7,7 @@ hash, what was sent and how often, and the lineage bookkeeping. Milliseconds eac
 
 import dataclasses
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -132,6 +133,32 @@ def test_with_overlap_the_next_round_counts_from_the_agreed_end_or_from_a_late_s
     assert round_clock.agreed_end == 1060.0
     round_clock.finish(50, 25.0, 60.0, anchor=1000.0, ended=1040.0)  # it overran that round by 40 s
     assert round_clock.agreed_end == 1100.0  # a whole round from then, not 20 s of one
+
+
+def test_a_round_lined_up_from_the_records_skips_the_plans_of_the_round_just_ended():
+    """With no agreed end (the last sync failed), the next round lines up with the plans in the records. A plan that
+    ends with the round we just ended is that round's, by a peer that has not begun its next one: lined up with, our
+    next round lasted one step (seen in bench.scale with overlap, where the sync after it then waited a whole round
+    in matchmaking)."""
+    clock = FakeClock()
+    run = RunConfig(align_every=0, grace_seconds=5.0).resolved()
+    mine = record("me", 4, "s", 100)
+    records = {name: record(name, 4, "s", 100, next_sync_at=end)
+               for name, end in (("a", 1001.0), ("b", 1001.0), ("c", 1061.0))}
+    plans = []
+    round_clock = RoundClock(run, SimpleNamespace(catch_up=lambda timeout: SimpleNamespace(adopted=False)),
+                             SimpleNamespace(records=records), SimpleNamespace(record=lambda: mine),
+                             threading.Event(), clock, plans.append)
+    round_clock.target = 1001.0  # the round we just ended, one step before its planned end
+    round_clock.begin()
+    assert round_clock.target == 1061.0 and round_clock.aligned  # c has begun its next round; a and b have not
+    round_clock.target = 1001.0
+    del records["c"]
+    round_clock.begin()  # nobody has begun the next round: our own plan (no pace known yet), looking again later
+    assert round_clock.target is None and not round_clock.aligned
+    round_clock.target = None  # our first round (or one after a catch-up): the swarm's round is ours to join
+    round_clock.begin()
+    assert round_clock.target == 1001.0 and plans[-1] == 1001.0
 
 
 def test_a_stretch_holds_until_the_group_agrees_again_and_is_told_once_each_way():

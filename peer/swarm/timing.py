@@ -59,11 +59,13 @@ def round_end(gathered: Gathered) -> Optional[float]:
 
 
 def round_target(records: Iterable[PeerRecord], mine: PeerRecord, own_plan: Optional[float],
-                 now: float) -> Optional[float]:
+                 now: float, after: Optional[float] = None) -> Optional[float]:
     """When this round should end: the median of the planned sync times of every live peer holding our
     state, our own plan included. Peers that read the same records end their rounds together, the
-    fast ones doing a few more steps and the slow ones a few fewer, so nobody waits at matchmaking."""
-    times = [r.next_sync_at for r in peers_with_state(records, mine, now) if r.next_sync_at and r.next_sync_at > now]
+    fast ones doing a few more steps and the slow ones a few fewer, so nobody waits at matchmaking.
+    Only plans that end after ``after`` (default: now) count."""
+    times = [r.next_sync_at for r in peers_with_state(records, mine, now)
+             if r.next_sync_at and r.next_sync_at > max(now, after or now)]
     if own_plan is not None:
         times.append(own_plan)
     return statistics.median(times) if times else None
