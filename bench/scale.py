@@ -4,9 +4,11 @@
 
 Every simulated peer runs the product's ``Synchronizer`` (its ``decide``, consensus, grouping, deadlines, lineage,
 robust mean and codec) and ``RoundClock`` on ``bench/simnet.py``'s network and virtual clock; what is modelled is
-listed there. The node's round loop (train until the round clock says stop, sync, account the tokens) is restated
-here in a few lines, without torch: each peer's "model" is a small vector trained towards a shared target, so the
-loss of the global state says whether training progresses, and the state hashes say whether peers agree.
+listed there. The node's round loop (train until the round clock says stop, sync, account the tokens; with
+``--overlap``, the peers' default, each sync runs as a task of its own while the next round trains, and its sync
+time is the wait for it at that round's end, as the peers report it) is restated here in a few lines, without
+torch: each peer's "model" is a small vector trained towards a shared target, so the loss of the global state says
+whether training progresses, and the state hashes say whether peers agree.
 
 The swarm: links of home peers (uplinks of 10-100 Mbit/s, downlinks 5 times that) and datacenter peers (1-10
 Gbit/s), one-way latencies of 10-100 ms (RTT 20-200 ms); steps up to 10 times apart in speed; peers killed at
@@ -31,8 +33,8 @@ import torch
 from diloco_compression import get_codec
 from diloco_compression.feedback import ErrorFeedback
 
-from bench.simnet import Killed, Link, NetConfig, Network, Scheduler, SimClock, SimTransport
-from peer.config import RunConfig, SyncConfig
+from bench.simnet import Killed, Link, NetConfig, Network, Scheduler, SimClock, SimEvent, SimFlag, SimTransport
+from peer.config import NodeConfig, RunConfig, SyncConfig
 from peer.hooks import Hooks
 from peer.outer.contributions import Contributions
 from peer.outer.lineage import Lineage
@@ -62,6 +64,7 @@ class Swarm:
     tokens_per_step: int
     rows: List[dict] = field(default_factory=list)
     stopping: bool = False  # the simulated time is over: no restarts, every peer stops at its next step
+    overlap: bool = True  # each round's sync runs while the next round trains (the peers' default, ``--overlap``)
 
 
 class SimPeer:
@@ -77,7 +80,7 @@ class SimPeer:
         self.state = state
         self.tensors = [layout.empty()]
         codec = swarm.network.codec
-        self.transport = SimTransport(swarm.network, self, run.grace_seconds)
+        self.transport = SimTransport(swarm.network, self, run.grace_seconds, sync.request_timeout)
         self.cache, self.local, self.clock = RecordCache(peer_id), LocalModel(trainer, layout), SimClock(scheduler)
         self.announcer = Announcer(self.transport, Identity(peer_id, "m", False), state)
         self.lineage = Lineage(Contributions(codec, run.max_staleness))
@@ -91,8 +94,12 @@ class SimPeer:
         self.synchronizer = Synchronizer(**parts, catchup=self.catchup, has_moment=False, hooks=Hooks())
         self.round_clock = RoundClock(run, self.catchup, self.cache, self.announcer, self.transport.answered,
                                       self.clock, lambda next_sync_at: self.publish(next_sync_at=next_sync_at))
+        self.round_clock.planned = SimFlag(scheduler)
+        self.overlap, self.inflight = swarm.overlap, None
+        self.round_clock.sync_in_flight = lambda: self.inflight is not None and not self.inflight.done.is_set
         self.pending_tokens = self.pending_rounds = 0
         self.random = random.Random(peer_id)
+        self.task = None
 
     def publish(self, status: str = "training", next_sync_at: Optional[float] = None) -> None:
         self.announcer.announce(60.0, status=status, next_sync_at=next_sync_at)
@@ -105,7 +112,8 @@ class SimPeer:
                 param.sub_(0.02 * (param - target) + noise * 0.02)
 
     def loop(self) -> None:
-        """The node's round loop (``peer/round/node.py``), on the simulated clock."""
+        """The node's round loop (``peer/round/node.py``), on the simulated clock: with overlap, each round's sync
+        runs as a task of its own while the next round trains, and is joined at that round's end."""
         scheduler, swarm = self.swarm.scheduler, self.swarm
         if self.catchup.catch_up(timeout=60.0).adopted:
             self.lineage.take_dropped_resumed()
@@ -119,32 +127,83 @@ class SimPeer:
                 self.train()
                 done += 1
                 self.round_clock.watch()
-            compute = scheduler.now - start
             self.pending_tokens += done * swarm.tokens_per_step
             self.pending_rounds += 1
-            self.pending_tokens += self.lineage.take_recovered_tokens()
-            tokens, rounds, sent = self.pending_tokens, self.pending_rounds, self.traffic[0]
-            synced, self.streams = scheduler.now, 0
-            result = self.synchronizer.sync(tokens, self.synchronizer.round_budget(), missed_rounds=rounds - 1,
-                                            step_seconds=self.round_clock.step_seconds or compute / max(done, 1),
-                                            meet_at=self.round_clock.target)
-            self.round_clock.finish(done, compute, result.next_round_seconds)
-            if self.lineage.take_dropped_resumed():
-                self.pending_tokens = self.pending_rounds = 0
-            if result.applied:
-                self.pending_tokens -= tokens
-                self.pending_rounds -= rounds
-            elif self.pending_rounds > swarm.run.max_staleness:
-                self.synchronizer.outer.drop_unmerged()
-                self.pending_tokens = self.pending_rounds = 0
-            swarm.rows.append(dict(peer=self.peer_id, time=scheduler.now, epoch=self.state.epoch,
-                                   applied=result.applied, outcome=result.outcome.value if result.outcome else None,
-                                   error=result.error,
-                                   group_size=len(result.group), groups=result.groups, hash=self.state.hash(),
-                                   compute=compute, sync=scheduler.now - synced, streams=self.streams,
-                                   sent=self.traffic[0] - sent,
-                                   loss=float(((self.state.params - swarm.target) ** 2).mean())))
-            self.publish()
+            if self.inflight is not None:
+                self.finish(self.inflight)
+            self.inflight = self.launch(done, scheduler.now - start)
+            if not self.overlap:
+                self.finish(self.inflight)
+                self.inflight = None
+
+    def launch(self, steps: int, compute: float) -> SimpleNamespace:
+        """Start the round's sync (``Peer._launch``): as a task of its own with overlap, else right here."""
+        scheduler, clock, synchronizer, overlap = self.swarm.scheduler, self.round_clock, self.synchronizer, \
+            self.overlap
+        self.pending_tokens += self.lineage.take_recovered_tokens()
+        job = SimpleNamespace(steps=steps, compute=compute, tokens=self.pending_tokens, rounds=self.pending_rounds,
+                              started=scheduler.now, finished=scheduler.now, result=None, sent=self.traffic[0],
+                              done=SimEvent(scheduler), task=None)
+        budget, meet_at = synchronizer.round_budget(), clock.target
+        step_seconds = clock.step_seconds or compute / max(steps, 1)
+
+        def sync() -> None:
+            self.streams = 0
+            if overlap:  # the next round's plan first: this sync shares it with the group
+                clock.planned.wait(timeout=10.0)
+            result = synchronizer.sync(job.tokens, budget, missed_rounds=job.rounds - 1, step_seconds=step_seconds,
+                                       planned_end=(lambda: clock.target) if overlap else (lambda: None),
+                                       meet_at=meet_at, overlapped=overlap)
+            if overlap and not result.applied:
+                clock.realign()
+            elif overlap and result.round_end is not None:
+                clock.retarget(result.round_end)
+            job.result, job.finished = result, scheduler.now
+            job.done.set()
+
+        if overlap:
+            self.local.freeze(with_moments=False)
+            self.local.start(synchronizer.outer.eager_target())
+            clock.planned.clear()
+            job.task = scheduler.spawn(sync, f"{self.peer_id}-sync")
+        else:
+            sync()
+        return job
+
+    def finish(self, job: SimpleNamespace) -> None:
+        """Join a round's sync and account it (``Peer._finish``). Its sync time is the wait for it with overlap,
+        as the peers report it, else the whole sync."""
+        scheduler, swarm, waited = self.swarm.scheduler, self.swarm, self.swarm.scheduler.now
+        if not job.done.is_set:
+            scheduler.block(event=job.done)
+        self.local.thaw()
+        result = job.result
+        self.round_clock.finish(job.steps, job.compute, result.next_round_seconds,
+                                anchor=result.round_end if self.overlap else None, stretch=result.stretch,
+                                ended=job.finished)
+        if self.lineage.take_dropped_resumed():
+            self.pending_tokens = self.pending_rounds = 0
+        if result.applied:
+            self.pending_tokens -= job.tokens
+            self.pending_rounds -= job.rounds
+        elif self.pending_rounds > swarm.run.max_staleness:
+            self.synchronizer.outer.drop_unmerged()
+            self.pending_tokens = self.pending_rounds = 0
+        swarm.rows.append(dict(peer=self.peer_id, time=scheduler.now, epoch=self.state.epoch,
+                               applied=result.applied, outcome=result.outcome.value if result.outcome else None,
+                               error=result.error,
+                               group_size=len(result.group), groups=result.groups, hash=self.state.hash(),
+                               compute=job.compute, sync=scheduler.now - (waited if self.overlap else job.started),
+                               sync_wall=job.finished - job.started, streams=self.streams,
+                               sent=self.traffic[0] - job.sent,
+                               loss=float(((self.state.params - swarm.target) ** 2).mean())))
+        self.publish()
+
+    def kill(self) -> None:
+        self.alive, self.died_at = False, self.swarm.scheduler.now
+        for task in (self.task, self.inflight and self.inflight.task):
+            if task is not None:
+                self.swarm.scheduler.kill(task)
 
 
 def links(rng: random.Random, count: int, home_share: float) -> List[Link]:
@@ -173,7 +232,8 @@ def simulate(peers: int, group_size: int, args, seed: int = 0) -> dict:
     config = NetConfig(wire_bytes=args.params * bits / 8, state_bytes=args.params * 8, overhead=args.overhead,
                        per_member=args.per_member)
     network = Network(scheduler, config, codec, run.clip_factor, seed)
-    swarm = Swarm(scheduler, network, run, sync, target=torch.randn(SIZE), tokens_per_step=run.batch_size * 1024)
+    swarm = Swarm(scheduler, network, run, sync, target=torch.randn(SIZE), tokens_per_step=run.batch_size * 1024,
+                  overlap=args.overlap)
     start = GlobalState(params=torch.zeros(SIZE), momentum=torch.zeros(SIZE))
     speeds = [args.step_seconds * math.exp(rng.uniform(0, math.log(args.speed_spread))) for _ in range(peers)]
     nodes = {}
@@ -190,7 +250,7 @@ def simulate(peers: int, group_size: int, args, seed: int = 0) -> dict:
     scheduler.run(until=args.minutes * 60)
     swarm.stopping = True
     for node in list(network.peers.values()):
-        scheduler.kill(node.task)
+        node.kill()
     scheduler.run(until=float("inf"))
     return dict(rows=swarm.rows, seconds=time.monotonic() - started, round_seconds=round_seconds)
 
@@ -207,8 +267,7 @@ def churn(swarm: Swarm, nodes: Dict[str, SimPeer], rng: random.Random, rate: flo
             node = swarm.network.peers[victim]
             if not node.alive:
                 return
-            node.alive, node.died_at = False, scheduler.now
-            scheduler.kill(node.task)
+            node.kill()
 
             def restart():
                 if swarm.stopping:
@@ -288,6 +347,9 @@ def parse_args(argv):
     parser.add_argument("--overhead", type=float, default=0.3, help="fixed seconds per all-reduce")
     parser.add_argument("--per-member", type=float, default=0.02,
                         help="seconds each further member adds to an all-reduce (its streams, framing, codec)")
+    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=NodeConfig().overlap,
+                        help="sync each round while the next one trains, as the peers do by default; the sync share "
+                             "then counts only the wait for it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the table, with its command, here")
     return parser.parse_args(argv)

@@ -4,7 +4,8 @@
 grouping, deadlines, lineage, robust mean and codecs) and ``RoundClock``, on a ``SimTransport`` instead of hivemind.
 What is modelled here, not run: hivemind's DHT (a lookup takes two round trips and sees every record published so
 far), its matchmaking (a room per key; a peer joins the oldest open group below its target, or leads a new one
-that closes at its target or at the end of its window, and fails below its minimum), and the all-reduce's duration
+that closes at its target or at the end of its window, and fails below its minimum; a member gives up with no
+group at the product's matchmaking timeout, ``transport.matchmaking_timeout``), and the all-reduce's duration
 and bytes (a butterfly over the members' links). The averaging itself is the product's: each member's part is
 encoded and decoded with the run's codec, the reducers' robust mean combines them, and the result is encoded once
 and decoded by every member, so members end bit-identical exactly when the product's do.
@@ -30,9 +31,10 @@ from diloco_compression import Codec
 from diloco_compression.feedback import roundtrip
 
 from dht.records import HEARTBEAT_SECONDS, PeerRecord
+from peer.averaging.averager import leader_request_timeout
 from peer.averaging.results import FAILED, GROUP_ONLY, MINORITY, NO_MAJORITY, PENDING, READY
 from peer.averaging.robust import robust_mean
-from peer.round.transport import ABANDON_POLL
+from peer.round.transport import ABANDON_POLL, matchmaking_timeout, matchmaking_window
 from peer.swarm.clock import Clock
 from peer.swarm.failures import DelegateLost, GroupLostMember, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.grouping import admit
@@ -146,6 +148,17 @@ class SimEvent:
             if task.wake_id == wake_id:
                 self.scheduler._wake(task, self.scheduler.now)
         self.waiters = []
+
+
+class SimFlag(SimEvent):
+    """A ``threading.Event`` on the virtual clock, for the product's code that waits on one (``RoundClock.planned``):
+    a real wait would block the one thread that runs."""
+
+    def clear(self) -> None:
+        self.is_set = False
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self.scheduler.block(until=None if timeout is None else self.scheduler.now + timeout, event=self)
 
 
 class SimClock(Clock):
@@ -380,8 +393,9 @@ class Network:
 class SimTransport:
     """``peer/round/transport.py``'s interface over the simulated network, for one peer."""
 
-    def __init__(self, network: Network, peer: "SimPeer", grace_seconds: float):
+    def __init__(self, network: Network, peer: "SimPeer", grace_seconds: float, request_timeout: float):
         self.network, self.peer, self.grace = network, peer, grace_seconds
+        self.request_timeout = leader_request_timeout(request_timeout, grace_seconds)
         self.answered = threading.Event()
         self.prepared: dict = {}
 
@@ -437,17 +451,19 @@ class SimTransport:
             self.network.result(self.peer.result_key)
 
     def average(self, word, weight: float, timeout: float, abandon=lambda: False) -> Averaged:
-        prepared = self.prepared
-        early = max(0.0, (prepared["meet_at"] or 0.0) - self.scheduler.now)
-        window = early + prepared["grace"] * (2 if prepared["phase"] == "cross" else 1)
+        prepared, now = self.prepared, self.scheduler.now
+        window = matchmaking_window(now, prepared["meet_at"], prepared["grace"], prepared["phase"] == "cross")
         member = self.network.join(self.peer, prepared["key"], prepared["target"], prepared["min_group"], window,
                                    prepared["phase"], word, weight, prepared["probe"])
-        deadline = self.scheduler.now + timeout
-        while not self.scheduler.block(until=min(deadline, self.scheduler.now + ABANDON_POLL), event=member.done):
+        deadline = now + timeout
+        looking = now + matchmaking_timeout(window, prepared["grace"], self.request_timeout)
+        while not self.scheduler.block(event=member.done, until=min(
+                deadline, self.scheduler.now + ABANDON_POLL, float("inf") if member.forming.closed else looking)):
+            if self.scheduler.now >= min(looking, deadline) and not member.forming.closed:
+                # matchmaking's own timeout: hivemind's averager finds no group
+                member.forming.members.remove(member)
+                raise NoGroup("could not find a group")
             if self.scheduler.now >= deadline:
-                if not member.forming.closed:  # matchmaking's own timeout: hivemind's averager finds no group
-                    member.forming.members.remove(member)
-                    raise NoGroup("could not find a group")
                 member.outcome = member.outcome or TimeoutError("the sync deadline passed")
                 raise TimeoutError("the sync deadline passed")
             if not member.forming.closed and abandon():  # as the product's transport polls, until its group forms

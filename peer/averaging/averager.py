@@ -56,6 +56,12 @@ def round_bits(epoch: int, state_hash: str) -> str:
     return format(int.from_bytes(digest[:8], "big"), "064b")
 
 
+def leader_request_timeout(request_timeout: float, grace_seconds: float) -> float:
+    """How long matchmaking waits for a leader's reply: the configured timeout, at most half a grace window (hivemind
+    wants it below the matchmaking time)."""
+    return min(request_timeout, max(grace_seconds / 2, 0.1))
+
+
 class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
     """Averages ``delta`` (and ``moment`` on alignment rounds) with whichever peers share our state."""
 
@@ -95,7 +101,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
             min_group_size=max(quorum, 2),  # set per round by prepare_round
             target_group_size=None,
             min_matchmaking_time=grace_seconds,
-            request_timeout=min(request_timeout, max(grace_seconds / 2, 0.1)),
+            request_timeout=leader_request_timeout(request_timeout, grace_seconds),
             allreduce_timeout=allreduce_timeout + 5,  # a backstop: our own deadline fires first, cleanly
             sender_timeout=part_timeout,
             reducer_timeout=2 * part_timeout,

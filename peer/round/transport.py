@@ -27,6 +27,20 @@ logger = logging.getLogger(__name__)
 
 Downloaded = Tuple[List[str], Dict, List[torch.Tensor]]  # (donors used, metadata, [G, m])
 CROSS_WINDOW = 2  # the cross-group phase's matchmaking window, in grace windows
+
+
+def matchmaking_window(now: float, meet_at: Optional[float], grace: float, cross: bool) -> float:
+    """Seconds from ``now`` our matchmaking window lasts: until the meeting, then a grace window (two for the
+    delegates of a round's groups, who meet as their groups finish: a left-over peer, its own delegate, learns it is
+    left over only when its group window ends, and must still find the others waiting)."""
+    return max(meet_at or now, now) - now + grace * (CROSS_WINDOW if cross else 1)
+
+
+def matchmaking_timeout(window: float, grace: float, request_timeout: float) -> float:
+    """How long the averager looks for our group before it fails with no group: past our window, the patience
+    ``prepare_round`` gave it (a follower waits that long for a leader whose window ends after ours), a request
+    timeout and a second."""
+    return window + grace + request_timeout + 1.0
 ABANDON_POLL = 1.0  # seconds between looks at whether a matchmaking still waited for should be given up
 
 
@@ -184,14 +198,11 @@ class SwarmTransport:
 
     def average(self, contribution: Union[Contribution, Delegation], weight: float, timeout: float,
                 abandon: Callable[[], bool] = lambda: False) -> Averaged:
-        # the delegates of a round's groups meet as their groups finish: a left-over peer, its own delegate, learns
-        # it is left over only when its group window ends, and must still find the others waiting
         now = get_dht_time()
-        window = max(self.meet_at or now, now) - now + self.grace * (CROSS_WINDOW if self.phase == CROSS else 1)
+        window = matchmaking_window(now, self.meet_at, self.grace, self.phase == CROSS)
         control = self.averager.step(
             gather=contribution.to_wire(), weight=float(weight), scheduled_time=now + window,
-            # past our window: the patience prepare gave the averager (this round's grace), a request timeout, a second
-            timeout=window + self.grace + self.averager.matchmaking_kwargs["request_timeout"] + 1.0,
+            timeout=matchmaking_timeout(window, self.grace, self.averager.matchmaking_kwargs["request_timeout"]),
             allow_retries=False,
             wait=False,
         )
