@@ -8,6 +8,7 @@ and is filled in by ``RunConfig.resolved()`` before the manifest is written.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -16,6 +17,10 @@ from diloco_compression import CODECS
 from dht.cli import opt, require_non_negative, require_positive, typed_values
 from peer.outer.schedule import cosine_factor, portable_cos
 from peer.presets import PRESETS, run_defaults
+
+# the default outer warm-up: this over the square root of H, in outer steps (fitted to the sweeps' best lengths of those
+# tried: 32 at H = 10, 16 at 50, 8 at 100; docs/design.md, the outer step)
+OUTER_WARMUP_SCALE = 100.0
 
 
 @dataclass(frozen=True)
@@ -50,9 +55,10 @@ class RunConfig:
     outer_lr: float = opt(0.7, "outer Nesterov learning rate (DiLoCo: 0.7)")
     outer_momentum: float = opt(0.9, "outer Nesterov momentum (DiLoCo: 0.9)")
     outer_lr_decay: bool = opt(False, "decay the outer lr along the inner lr's cosine, to --outer-lr x --min-lr-ratio")
-    outer_warmup: int = opt(8, "outer steps over which the outer step blends linearly from plain averaging (lr 1, "
-                               "momentum 0) to Nesterov at --outer-lr and --outer-momentum (0 = Nesterov from the "
-                               "first)")
+    outer_warmup: Optional[int] = opt(None, "outer steps over which the outer step blends linearly from plain "
+                                            "averaging (lr 1, momentum 0) to Nesterov at --outer-lr and "
+                                            "--outer-momentum (0 = Nesterov from the first); default: 100 / sqrt(H), "
+                                            "rounded (32 at H = 10, 10 at 100)")
     compression: str = opt("int4-huffman", "wire codec for the all-reduce (int4-huffman: fp16's held-out loss at "
                                            "about 1/6 of its bytes)", choices=tuple(CODECS))
     error_feedback: bool = opt(True, "carry what the codec dropped from our delta into the next round")
@@ -147,9 +153,18 @@ class RunConfig:
     def _outer_blend(self, global_step: int) -> float:
         """0 at the first outer step, 1 from step ``outer_warmup`` on (IEEE division of small integers: the same
         bits everywhere). With fragments, a fragment's own outer steps count: one every F rounds."""
-        if not self.outer_warmup:
+        warmup = self.outer_warmup_steps()
+        if not warmup:
             return 1.0
-        return min(1.0, (global_step // max(self.round_steps, 1) // self.fragments) / self.outer_warmup)
+        return min(1.0, (global_step // max(self.round_steps, 1) // self.fragments) / warmup)
+
+    def outer_warmup_steps(self) -> int:
+        """``--outer-warmup``, or its default for this H: ``OUTER_WARMUP_SCALE / sqrt(H)`` outer steps, rounded (a
+        small H warms up over more outer steps, and fewer inner ones: 32 at H = 10, 14 at 50, 10 at 100, 4 at 500)."""
+        if self.outer_warmup is not None:
+            return self.outer_warmup
+        inner_steps = self.inner_steps or run_defaults(self.model).inner_steps
+        return max(1, round(OUTER_WARMUP_SCALE / math.sqrt(max(inner_steps, 1))))
 
     def resolved(self) -> "RunConfig":
         """Fill every preset-dependent default, so the manifest pins concrete values."""
@@ -158,7 +173,8 @@ class RunConfig:
             tokenizer=preset.tokenizer or self.model, seq_len=preset.seq_len, batch_size=preset.batch_size,
             inner_steps=preset.inner_steps, lr=preset.lr, warmup_steps=preset.warmup_steps,
         )
-        return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+        resolved = dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+        return dataclasses.replace(resolved, outer_warmup=resolved.outer_warmup_steps())
 
     def to_settings(self) -> Dict[str, Any]:
         return dataclasses.asdict(self.resolved())

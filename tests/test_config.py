@@ -71,6 +71,16 @@ def test_the_outer_warmup_blends_plain_averaging_into_nesterov_by_the_epoch():
     assert (off.outer_lr_at(0), off.outer_momentum_at(0)) == (0.7, 0.9)
 
 
+def test_the_outer_warmup_by_default_follows_h_and_the_manifest_pins_it():
+    """A small H warms up over more outer steps (the sweeps' best: 32 at H = 10, 16 at 50, 8 at 100); the resolved
+    config, which the manifest carries, holds the number, so every peer of the run blends alike."""
+    assert [RunConfig(inner_steps=h).resolved().outer_warmup for h in (10, 50, 100, 500)] == [32, 14, 10, 4]
+    assert RunConfig(inner_steps=10, outer_warmup=0).resolved().outer_warmup == 0  # given: kept, 0 included
+    run = RunConfig(inner_steps=10, outer_lr=0.7, outer_momentum=0.9)
+    assert run.outer_lr_at(16 * 10) == RunConfig(inner_steps=10, outer_warmup=32).outer_lr_at(16 * 10) == 0.85
+    assert RunConfig.from_settings(run.to_settings()).outer_warmup == 32
+
+
 def test_manifest_hash_is_stable_and_covers_every_setting():
     settings = RunConfig().to_settings()
     assert RunManifest("r", settings).hash == RunManifest("r", dict(settings)).hash
