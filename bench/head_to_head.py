@@ -146,9 +146,18 @@ def run_system(system: str, preset: str, net: TestNetwork, args, log_dir: Path, 
     curve.seconds = time.time() - launched
     records = [read_metrics(w.metrics_path) for w in workers]
     curve.points = evaluations(system, records, launched)
+    if system == "hivemind":
+        curve.problems += alone({w.name: rows for w, rows in zip(workers, records)})
     sent = [meter.at(i, time.time())[0] - meter.at(i, launched)[0] for i in range(args.peers)]
     curve.sent = statistics.mean(sent)
     return curve
+
+
+def alone(records: Dict[str, List[dict]]) -> List[str]:
+    """hivemind workers that never saw another in its progress records: their "averaged" replica trained alone,
+    and the row says so (as it did unseen for a week when a validator rejected every record, f790964)."""
+    return [f"{name} never saw another worker: its replica trained alone" for name, rows in records.items()
+            if max((r.get("peers_seen") or 0 for r in rows), default=0) < 2]
 
 
 def evaluations(system: str, records: List[List[dict]], launched: float) -> List[Tuple[float, int, float]]:

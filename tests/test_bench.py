@@ -77,7 +77,7 @@ def test_the_scale_simulation_overlaps_each_sync_with_the_next_round_as_the_peer
 def test_the_head_to_head_compares_what_each_system_held_at_the_same_wall_time():
     """bench.head_to_head: a system's loss at time t is its last evaluation by then (never a later one), hivemind's
     is the mean of its workers' replicas, and the peers' count only rounds they applied."""
-    from bench.head_to_head import Curve, evaluations
+    from bench.head_to_head import Curve, alone, evaluations
 
     peers = [[dict(epoch=2, time=110.0, applied=True, eval_loss=3.0, tokens_total=100),
               dict(epoch=4, time=130.0, applied=False, eval_loss=9.0, tokens_total=200)],
@@ -86,5 +86,7 @@ def test_the_head_to_head_compares_what_each_system_held_at_the_same_wall_time()
     workers = [[dict(epoch=2, time=120.0, eval_loss=3.0, tokens_total=80)],
                [dict(epoch=2, time=125.0, eval_loss=4.0, tokens_total=80)]]
     assert evaluations("hivemind", workers, launched=100.0) == [(25.0, 80, 3.5)]
+    assert alone({"w0": workers[0], "w1": [dict(peers_seen=4)]}) == ["w0 never saw another worker: its replica "
+                                                                      "trained alone"]
     curve = Curve("dp", points=[(5.0, 0, 5.5), (20.0, 80, 3.2)])
     assert (curve.at(4.0), curve.at(5.0), curve.at(19.9), curve.at(60.0)) == (None, 5.5, 5.5, 3.2)
