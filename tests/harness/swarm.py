@@ -11,9 +11,11 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, TypeVar
@@ -60,7 +62,10 @@ class Proc:
     def __init__(self, args: List[str], log_dir: Path, name: str, wrap: Callable[[List[str]], List[str]] = list):
         self.name, self.args = name, wrap(args)
         self.stdout_path, self.stderr_path = log_dir / f"{name}.out", log_dir / f"{name}.err"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # a temp dir of its own, removed when it is killed: a SIGKILLed process runs no exit handler, and each left
+        # multiprocessing's pymp-* directory in /tmp (826 of them after a few days of suites and benchmarks)
+        self.tmp = tempfile.mkdtemp(prefix="proc-")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=self.tmp)
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.popen = subprocess.Popen(self.args, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)
 
@@ -77,7 +82,9 @@ class Proc:
 
     def wait(self, timeout: float) -> int:
         try:
-            return self.popen.wait(timeout)
+            code = self.popen.wait(timeout)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return code
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{self.name} did not exit within {timeout:.0f}s; stderr:\n{self.stderr[-3000:]}")
 
@@ -103,6 +110,7 @@ class Proc:
             for leftover in glob.glob(f"/dev/shm/torch_{pid}_*"):
                 with contextlib.suppress(OSError):
                     os.remove(leftover)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def descendants(pid: int) -> List[int]:
