@@ -63,8 +63,8 @@ class RoundClock:
             # a plan that ends with the round we just ended (within a grace window) is that round's, by a peer that
             # has not begun its next one: lined up with, it made our next round one step long (with overlap, after
             # a sync that failed, its successor waited a whole round in matchmaking)
-            ended = self.target if self.target is not None and not self.rebased else None
-            target = self._target_from_records(now, None if ended is None else ended + self.run.grace_seconds)
+            ended = self.target is not None and not self.rebased
+            target = self._target_from_records(now, self.target + self.run.grace_seconds if ended else now)
         self.publish(target if target is not None else self._own_plan(now))
         self._set_deadline(target, now)
         self.began = self.clock.monotonic()
@@ -152,8 +152,9 @@ class RoundClock:
         pace = self.run.seconds_per_round or (self.step_seconds * self.run.round_steps if self.step_seconds else None)
         return now + pace if pace else None
 
-    def _target_from_records(self, now: float, after: Optional[float]) -> Optional[float]:
-        records, mine, after = self.cache.records.values(), self.announcer.record(), max(now, after or now)
+    def _target_from_records(self, now: float, after: float) -> Optional[float]:
+        """Line up with the plans of the peers at our state that end after ``after``."""
+        records, mine, after = self.cache.records.values(), self.announcer.record(), max(now, after)
         if peers_with_state(records, mine, now):
             self.aligned = any(r.next_sync_at and r.next_sync_at > after for r in peers_with_state(records, mine, now))
             return round_target(records, mine, self._own_plan(now), now, after=after)

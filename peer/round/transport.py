@@ -41,6 +41,8 @@ def matchmaking_timeout(window: float, grace: float, request_timeout: float) -> 
     ``prepare_round`` gave it (a follower waits that long for a leader whose window ends after ours), a request
     timeout and a second."""
     return window + grace + request_timeout + 1.0
+
+
 ABANDON_POLL = 1.0  # seconds between looks at whether a matchmaking still waited for should be given up
 
 
