@@ -41,6 +41,7 @@ from peer.outer.lineage import Lineage
 from peer.outer.state import GlobalState
 from peer.round.announce import Announcer, Identity
 from peer.round.catchup import StateCatchUp
+from peer.round.inflight import start_overlap, sync_round
 from peer.round.schedule import RoundClock
 from peer.round.sync import Synchronizer
 from peer.swarm.deadlines import Deadlines
@@ -149,22 +150,12 @@ class SimPeer:
 
         def sync() -> None:
             self.streams = 0
-            if overlap:  # the next round's plan first: this sync shares it with the group
-                clock.planned.wait(timeout=10.0)
-            result = synchronizer.sync(job.tokens, budget, missed_rounds=job.rounds - 1, step_seconds=step_seconds,
-                                       planned_end=(lambda: clock.target) if overlap else (lambda: None),
-                                       meet_at=meet_at, overlapped=overlap)
-            if overlap and not result.applied:
-                clock.realign()
-            elif overlap and result.round_end is not None:
-                clock.retarget(result.round_end)
-            job.result, job.finished = result, scheduler.now
+            job.result = sync_round(synchronizer, clock, job.tokens, job.rounds, budget, step_seconds, meet_at, overlap)
+            job.finished = scheduler.now
             job.done.set()
 
         if overlap:
-            self.local.freeze(with_moments=False)
-            self.local.start(synchronizer.outer.eager_target())
-            clock.planned.clear()
+            start_overlap(self.local, synchronizer, clock)
             job.task = scheduler.spawn(sync, f"{self.peer_id}-sync")
         else:
             sync()

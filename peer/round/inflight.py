@@ -1,4 +1,7 @@
-"""One round's sync in flight: run right here, or on a background thread while the next round trains (overlap)."""
+"""One round's sync in flight: run right here, or on a background thread while the next round trains (overlap).
+
+``start_overlap`` and ``sync_round`` are the node's steps around it (``Peer._launch``), which ``bench/scale.py``'s
+simulated peers call too."""
 
 from __future__ import annotations
 
@@ -47,3 +50,29 @@ class InFlight:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def start_overlap(local, synchronizer, clock) -> None:
+    """Before a sync that runs while the next round trains: freeze theta for it, train that round from the eager
+    outer step, and have the sync wait for that round's plan (``clock.planned``), which it tells its group."""
+    local.freeze(with_moments=synchronizer.has_moment)
+    local.start(synchronizer.outer.eager_target())
+    clock.planned.clear()
+
+
+def sync_round(synchronizer, clock, tokens: int, rounds: int, budget: float, step_seconds: float,
+               meet_at: Optional[float], overlap: bool) -> SyncResult:
+    """A round's sync: ``rounds`` rounds of pending work (``tokens``), its group meeting at ``meet_at``. With
+    overlap it shares the plan of the round now training and then lines that round's end up with the group's."""
+    if overlap:  # the next round's plan first: this sync shares it with the group
+        clock.planned.wait(timeout=10.0)
+    result = synchronizer.sync(tokens, budget, missed_rounds=rounds - 1, step_seconds=step_seconds,
+                               planned_end=(lambda: clock.target) if overlap else (lambda: None),
+                               meet_at=meet_at, overlapped=overlap)
+    if overlap and not result.applied:
+        # the round in progress was planned before this sync caught up (or found no group): line its end up with
+        # the swarm's, or we reach the next sync out of step with everyone again
+        clock.realign()
+    elif overlap and result.round_end is not None:
+        clock.retarget(result.round_end)  # the group ends the round in progress together
+    return result

@@ -25,10 +25,9 @@ from peer.config import NodeConfig, SyncConfig
 from peer.hooks import CHECKPOINT, INNER, Hooks
 from peer.ops.checkpoint import CheckpointPayload, CheckpointWriter, frozen
 from peer.round.build import Parts
-from peer.round.inflight import InFlight
+from peer.round.inflight import InFlight, start_overlap, sync_round
 from peer.round.metrics import round_record
 from peer.round.schedule import RoundClock
-from peer.round.sync import SyncResult
 from peer.swarm.clock import Clock
 from peer.swarm.consensus import LEAVING, active, responsive
 from peer.train.island import Island, island_batches
@@ -146,26 +145,10 @@ class Peer:
         job = InFlight(stats, progress.pending_tokens, progress.pending_rounds)
         budget = synchronizer.round_budget()
         meet_at = clock.target  # the round that just ended: its planned end, when its group meets
-
-        def sync() -> SyncResult:
-            if overlap:  # the next round's plan first: this sync shares it with the group
-                clock.planned.wait(timeout=10.0)
-            result = synchronizer.sync(job.tokens, budget, missed_rounds=job.rounds - 1, step_seconds=step_seconds,
-                                       planned_end=(lambda: clock.target) if overlap else (lambda: None),
-                                       meet_at=meet_at, overlapped=overlap)
-            if overlap and not result.applied:
-                # the round in progress was planned before this sync caught up (or found no group): line its
-                # end up with the swarm's, or we reach the next sync out of step with everyone again
-                clock.realign()
-            elif overlap and result.round_end is not None:
-                clock.retarget(result.round_end)  # the group ends the round in progress together
-            return result
-
         if overlap:
-            self.parts.local.freeze(with_moments=synchronizer.has_moment)
-            self.parts.local.start(synchronizer.outer.eager_target())
-            clock.planned.clear()
-        job.start(sync, background=overlap)
+            start_overlap(self.parts.local, synchronizer, clock)
+        job.start(lambda: sync_round(synchronizer, clock, job.tokens, job.rounds, budget, step_seconds, meet_at,
+                                     overlap), background=overlap)
         return job
 
     def _finish(self, job: InFlight) -> None:
