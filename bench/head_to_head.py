@@ -155,7 +155,7 @@ def run_system(system: str, preset: str, net: TestNetwork, args, log_dir: Path, 
 
 def alone(records: Dict[str, List[dict]]) -> List[str]:
     """hivemind workers that never saw another in its progress records: their "averaged" replica trained alone,
-    and the row says so (as it did unseen for a week when a validator rejected every record, f790964)."""
+    and the row says so (every worker did, unseen, while a validator rejected every record: fixed by f790964)."""
     return [f"{name} never saw another worker: its replica trained alone" for name, rows in records.items()
             if max((r.get("peers_seen") or 0 for r in rows), default=0) < 2]
 
