@@ -155,8 +155,9 @@ class RoundClock:
     def _target_from_records(self, now: float, after: float) -> Optional[float]:
         """Line up with the plans of the peers at our state that end after ``after``."""
         records, mine, after = self.cache.records.values(), self.announcer.record(), max(now, after)
-        if peers_with_state(records, mine, now):
-            self.aligned = any(r.next_sync_at and r.next_sync_at > after for r in peers_with_state(records, mine, now))
+        holders = peers_with_state(records, mine, now)
+        if holders:
+            self.aligned = any(r.next_sync_at and r.next_sync_at > after for r in holders)
             return round_target(records, mine, self._own_plan(now), now, after=after)
         self.aligned = True  # nobody else holds our state: there is no one to line up with
         return self._own_plan(now) if self.run.round_seconds else None
