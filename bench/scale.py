@@ -130,9 +130,10 @@ class SimPeer:
                 self.round_clock.watch()
             self.pending_tokens += done * swarm.tokens_per_step
             self.pending_rounds += 1
+            compute = scheduler.now - start  # the steps' time, not the wait for the sync in flight below
             if self.inflight is not None:
                 self.finish(self.inflight)
-            self.inflight = self.launch(done, scheduler.now - start)
+            self.inflight = self.launch(done, compute)
             if not self.overlap:
                 self.finish(self.inflight)
                 self.inflight = None
