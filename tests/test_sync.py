@@ -112,6 +112,33 @@ def test_the_first_attempt_meets_at_the_planned_end_and_a_retry_at_once():
     assert result.applied and [p["meet_at"] for p in peer.transport.prepared] == [planned, None]
 
 
+def test_a_sync_far_ahead_of_its_meeting_reads_the_swarm_and_joins_a_window_before_it():
+    # a fast peer, or a sync launched as the next round began, is 100 s early. A group's leader closes it at the count
+    # it expects, so a view read now would leave b out (its record shows our state only later): 24 simulated peers
+    # in groups of 8 lost 12% of their syncs to it (bench/scale.py)
+    peer = FakePeer()
+    peer.train()
+    holder(peer, "a")
+    reads, plain, sleep = [], peer.transport.read_records, peer.clock.sleep
+
+    def read_records(timeout):
+        reads.append(peer.clock.now)
+        return plain(timeout)
+
+    def sleep_then_b_arrives(seconds):
+        sleep(seconds)
+        holder(peer, "b")
+
+    peer.transport.read_records, peer.clock.sleep = read_records, sleep_then_b_arrives
+    peer.transport.scripts.append(with_group(("a", theirs(peer)), ("b", theirs(peer))))
+    meet_at, budget, window = peer.clock.now + 100.0, peer.synchronizer.round_budget(), peer.synchronizer.grace()
+    result = peer.sync(budget=budget, meet_at=meet_at)
+    assert result.applied and result.group == ("a", "b", "me")
+    assert peer.transport.prepared[0]["expected"] == 3 and peer.transport.prepared[0]["meet_at"] == meet_at
+    assert reads[0] == meet_at - window  # nothing read before
+    assert result.waited == 100.0 and result.deadline == budget + 100.0
+
+
 def test_the_round_ends_before_a_step_that_would_end_after_its_planned_end():
     clock = FakeClock()
     round_clock = RoundClock(RunConfig().resolved(), None, None, None, threading.Event(), clock, lambda _: None)

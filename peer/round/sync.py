@@ -143,6 +143,13 @@ class Synchronizer:
         if self.state.epoch != self.stuck_epoch:
             self.stuck, self.lonely, self.stuck_epoch = 0, 0, self.state.epoch
         early = max(0.0, meet_at - self.clock.dht_time()) if meet_at is not None else 0.0
+        slept = max(0.0, early - self.grace())
+        if slept:
+            # far ahead of the meeting (a fast peer, or a sync launched as its next round began): the records read now
+            # would be stale by then, and a group's leader closes it at the count it expects, so a holder it missed
+            # met nobody. Read them, and join, a window before the meeting
+            self.clock.sleep(slept)
+            early -= slept
         budget += early
         late = meet_at is not None and self.clock.dht_time() > meet_at + LATE_SLACK
         awaited = 0.0
@@ -157,7 +164,7 @@ class Synchronizer:
         result = self._sync(attempt, budget)
         if result.applied:
             self.last_group = result.group
-        result.waited, result.deadline = early + awaited, budget + awaited
+        result.waited, result.deadline = slept + early + awaited, slept + budget + awaited
         self.stuck = 0 if result.applied or result.rebased else self.stuck + 1
         self.lonely = 0 if self.stuck == 0 or result.outcome in MET_OTHERS else self.lonely + 1
         seconds = result.averaging_seconds
