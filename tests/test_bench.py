@@ -43,14 +43,14 @@ def test_the_scale_simulation_runs_the_products_rounds_to_one_state_per_epoch_ac
     merge across 3 groups, and every epoch holds one state. (The figures are bench/results/scale.md's.)"""
     from bench import scale
 
-    # blocking syncs, as the figures were made: with overlap, groups of 8 applied 88% of syncs (scale.md)
-    args = scale.parse_args(["--minutes", "40", "--churn", "0.05", "--inner-steps", "50", "--no-overlap"])
+    # with overlap, the default: before its syncs joined a window before their meeting, 88% of them applied
+    args = scale.parse_args(["--minutes", "40", "--churn", "0.05", "--inner-steps", "50"])
     result = scale.simulate(24, 8, args, seed=1)
     summary = scale.summarize(result, 24)
     rows = result["rows"]
     assert summary["epochs"] >= 4 and summary["forked"] == 0 and summary["states"] == 1, summary
     assert {r["groups"] for r in rows if r["applied"]} >= {3}
-    assert summary["applied_share"] >= 0.9, summary["failed"]
+    assert summary["applied_share"] >= 0.95, summary["failed"]
     assert summary["loss"] < rows[0]["loss"]  # the global state moves towards the shared target
 
 
