@@ -15,6 +15,7 @@ import torch
 from peer.config import RunConfig
 from peer.outer.nesterov import nesterov_step
 from peer.round.decide import Outcome
+from peer.round.inflight import sync_round
 from peer.round.schedule import RoundClock
 from peer.swarm.consensus import MAX_MISSED, SYNCING
 from peer.swarm.failures import DelegateLost, GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
@@ -160,6 +161,23 @@ def test_with_overlap_the_next_round_counts_from_the_agreed_end_or_from_a_late_s
     assert round_clock.agreed_end == 1060.0
     round_clock.finish(50, 25.0, 60.0, anchor=1000.0, ended=1040.0)  # it overran that round by 40 s
     assert round_clock.agreed_end == 1100.0  # a whole round from then, not 20 s of one
+
+
+def test_with_overlap_a_sync_that_is_over_publishes_the_plan_of_the_round_in_progress():
+    """Our record said "syncing" until the end of the round the sync overlapped: a peer that adopted our state took
+    us for a group waiting for it and ended its round at once, to meet nobody (bench/scale.py's 16 peers in groups
+    of 8: 94% of syncs applied, 97% after)."""
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.append(with_group(("a", theirs(peer, planned_end=1960.0))))
+    plans, planned = [], threading.Event()
+    planned.set()  # the round in progress was planned: to end at 1900
+    clock = SimpleNamespace(planned=planned, target=1900.0, publish=plans.append, realign=lambda: None)
+    clock.retarget = lambda end: setattr(clock, "target", end)
+    result = sync_round(peer.synchronizer, clock, 100, 1, peer.synchronizer.round_budget(), 0.5, None, overlap=True)
+    assert result.applied and peer.transport.published[-1].status == SYNCING  # what the sync said last
+    assert plans == [1930.0]  # then the group's agreed end of the round in progress, the median of 1900 and 1960
 
 
 def test_a_round_lined_up_from_the_records_skips_the_plans_of_the_round_just_ended():

@@ -75,4 +75,9 @@ def sync_round(synchronizer, clock, tokens: int, rounds: int, budget: float, ste
         clock.realign()
     elif overlap and result.round_end is not None:
         clock.retarget(result.round_end)  # the group ends the round in progress together
+    if overlap:
+        # the sync is over, and our record says so, with the plan of the round in progress. It said "syncing" until
+        # that round's end: a peer that adopted our state took us for a group waiting for it and ended its round at
+        # once, to meet nobody, and a joiner lined up with a plan we had since given up
+        clock.publish(clock.target)
     return result
