@@ -99,11 +99,12 @@ class SimPeer:
         self.overlap, self.inflight = swarm.overlap, None
         self.round_clock.sync_in_flight = lambda: self.inflight is not None and not self.inflight.done.is_set
         self.pending_tokens = self.pending_rounds = 0
+        self.last_round_seconds: Optional[float] = None  # its last round's compute and sync, in its record
         self.random = random.Random(peer_id)
         self.task = None
 
     def publish(self, status: str = "training", next_sync_at: Optional[float] = None) -> None:
-        self.announcer.announce(60.0, status=status, next_sync_at=next_sync_at)
+        self.announcer.announce(60.0, status=status, next_sync_at=next_sync_at, round_seconds=self.last_round_seconds)
 
     def train(self) -> None:
         """One inner step: towards the shared target, with noise of its own."""
@@ -170,6 +171,7 @@ class SimPeer:
             scheduler.block(event=job.done)
         self.local.thaw()
         result = job.result
+        self.last_round_seconds = job.compute + scheduler.now - (waited if self.overlap else job.started)
         self.round_clock.finish(job.steps, job.compute, result.next_round_seconds,
                                 anchor=result.round_end if self.overlap else None, stretch=result.stretch,
                                 ended=job.finished)
