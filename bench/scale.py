@@ -170,8 +170,8 @@ class SimPeer:
         if not job.done.is_set:
             scheduler.block(event=job.done)
         self.local.thaw()
-        result = job.result
-        self.last_round_seconds = job.compute + scheduler.now - (waited if self.overlap else job.started)
+        result, sync = job.result, scheduler.now - (waited if self.overlap else job.started)
+        self.last_round_seconds = job.compute + sync
         self.round_clock.finish(job.steps, job.compute, result.next_round_seconds,
                                 anchor=result.round_end if self.overlap else None, stretch=result.stretch,
                                 ended=job.finished)
@@ -187,7 +187,7 @@ class SimPeer:
                                applied=result.applied, outcome=result.outcome.value if result.outcome else None,
                                error=result.error,
                                group_size=len(result.group), groups=result.groups, hash=self.state.hash(),
-                               compute=job.compute, sync=scheduler.now - (waited if self.overlap else job.started),
+                               compute=job.compute, sync=sync,
                                sync_wall=job.finished - job.started, streams=self.streams,
                                sent=self.traffic[0] - job.sent,
                                loss=float(((self.state.params - swarm.target) ** 2).mean())))
