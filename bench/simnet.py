@@ -34,11 +34,12 @@ from dht.records import HEARTBEAT_SECONDS, PeerRecord
 from peer.averaging.averager import leader_request_timeout
 from peer.averaging.results import FAILED, GROUP_ONLY, MINORITY, NO_MAJORITY, PENDING, READY
 from peer.averaging.robust import robust_mean
-from peer.round.transport import ABANDON_POLL, matchmaking_timeout, matchmaking_window
+from peer.round.transport import ABANDON_POLL, matchmaking_timeout
 from peer.swarm.clock import Clock
 from peer.swarm.failures import DelegateLost, GroupLostMember, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.grouping import admit
 from peer.swarm.metadata import Averaged, Contribution, Delegation
+from peer.swarm.timing import matchmaking_window
 
 if TYPE_CHECKING:
     from bench.scale import SimPeer

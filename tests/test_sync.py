@@ -331,6 +331,31 @@ def test_a_missed_group_whose_holders_moved_on_is_caught_up():
     assert peer.hash() == ahead["hash"]
 
 
+def test_a_peer_late_to_its_meeting_stops_waiting_once_its_window_is_over_and_the_others_applied_the_round():
+    """Our group closed 0.3 s before we came, at the count its leader expected. Past our matchmaking window, the
+    others' records show the round applied: the matchmaking gives up then, not a whole matchmaking timeout later (a
+    peer lost 3 short rounds so), and we adopt their state with our work kept for the next round. Within the window
+    the records are not read: a peer waiting there costs the DHT nothing."""
+    peer = FakePeer()
+    delta = peer.train()
+    holder(peer, "a"), holder(peer, "b")
+    before, seen = peer.hash(), {}
+
+    def closed_without_us(transport, *_):
+        seen["hash"] = peer.serve_next_state(delta, contributors=["a", "b"], tokens=200, holders=["a", "b"])
+        seen["in_window"] = transport.abandon()
+        peer.clock.sleep(peer.synchronizer.grace())
+        seen["past_window"] = transport.abandon()
+        raise NoGroup("the swarm's round ended without our group")  # as the real transport then does
+
+    peer.transport.scripts.append(closed_without_us)
+    result = peer.sync(meet_at=peer.clock.now - 0.3)
+    assert (seen["in_window"], seen["past_window"]) == (False, True)
+    assert result.outcome is Outcome.MISSED_GROUP and result.rebased and not result.applied
+    assert peer.hash() == seen["hash"] != before
+    assert torch.allclose(peer.state.params - peer.theta, delta)  # our work is kept for the next round
+
+
 def test_holders_that_began_syncing_after_we_gave_up_are_joined_at_once():
     peer = FakePeer()
     peer.train()

@@ -41,7 +41,7 @@ from peer.swarm.consensus import SYNCING, holds_state, peers_ahead, responsive
 from peer.swarm.deadlines import Deadlines
 from peer.swarm.metadata import Averaged, Contribution
 from peer.swarm.records import RecordCache
-from peer.swarm.timing import matchmaking_grace, next_round, round_end
+from peer.swarm.timing import matchmaking_grace, matchmaking_window, next_round, round_end
 from peer.train.flat import FlatLayout
 from peer.train.local import LocalModel
 
@@ -291,16 +291,21 @@ class Synchronizer:
         attempt.started, attempt.tries = self.clock.monotonic(), attempt.tries + 1
         contribution = self._contribution(action, attempt)
         min_group = max(2, self.run.quorum, action.min_group)
+        meet_at, grace = attempt.meet_at if attempt.tries == 1 else None, self.grace()  # a retry: from now
+        # past our window, our group closed without us if a peer already holds the round's result: stop waiting
+        # then, not a matchmaking timeout later (a peer that came 0.3 s late lost 3 short rounds). The records are
+        # read only then, once a second: a peer waiting in its window costs the DHT nothing
+        window_ends = self.clock.monotonic() + matchmaking_window(self.clock.dht_time(), meet_at, grace, cross=False)
         try:
             self.transport.prepare(mine.epoch, mine.state_hash, min_group, action.target,
                                    allreduce_timeout=self.deadlines.allreduce(size),
                                    part_timeout=self.deadlines.part(size), probe=action.probe, group=action.group,
-                                   meet_at=attempt.meet_at if attempt.tries == 1 else None,  # a retry: from now
-                                   grace=self.grace())
+                                   meet_at=meet_at, grace=grace)
             self.hooks.at(MATCHMAKING, self.state.epoch)
             contribution = dataclasses.replace(contribution, planned_end=attempt.planned_end())
-            attempt.averaged = self.transport.average(contribution, contribution.weight,
-                                                      timeout=attempt.deadline - self.clock.monotonic())
+            attempt.averaged = self.transport.average(
+                contribution, contribution.weight, timeout=attempt.deadline - self.clock.monotonic(),
+                abandon=lambda: self.clock.monotonic() >= window_ends and self._moved_on())
         except Exception as e:  # a failure of ours (peer/swarm/failures.py), a timeout, or anything else
             attempt.detail = first_line(e)
             return dict(phase=Phase.FAILED, failure=classify(e), expected=action.expected, groups=action.groups)

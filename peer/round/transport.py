@@ -22,18 +22,11 @@ from peer.averaging.averager import CROSS, GROUP, SwarmAverager
 from peer.averaging.results import GROUP_ONLY, MINORITY, NO_MAJORITY, READY
 from peer.swarm.failures import DelegateLost, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.metadata import Averaged, Contribution, Delegation
+from peer.swarm.timing import matchmaking_window
 
 logger = logging.getLogger(__name__)
 
 Downloaded = Tuple[List[str], Dict, List[torch.Tensor]]  # (donors used, metadata, [G, m])
-CROSS_WINDOW = 2  # the cross-group phase's matchmaking window, in grace windows
-
-
-def matchmaking_window(now: float, meet_at: Optional[float], grace: float, cross: bool) -> float:
-    """Seconds from ``now`` our matchmaking window lasts: until the meeting, then a grace window (two for the
-    delegates of a round's groups, who meet as their groups finish: a left-over peer, its own delegate, learns it is
-    left over only when its group window ends, and must still find the others waiting)."""
-    return max(meet_at or now, now) - now + grace * (CROSS_WINDOW if cross else 1)
 
 
 def matchmaking_timeout(window: float, grace: float, request_timeout: float) -> float:

@@ -19,9 +19,18 @@ from dht.records import PeerRecord
 from peer.swarm.consensus import peers_with_state
 from peer.swarm.metadata import Gathered
 
+CROSS_WINDOW = 2  # the cross-group phase's matchmaking window, in grace windows
+
 SYNC_HEADROOM = 1.15  # a stretched round outlasts the members' median sync by this factor
 GRACE_SHARE = 0.25  # the matchmaking window is at least this share of a peer's recent syncs
 MAX_STRETCH = 4.0  # at most this many times a round's planned length (beyond: the link is too thin for the run)
+
+
+def matchmaking_window(now: float, meet_at: Optional[float], grace: float, cross: bool) -> float:
+    """Seconds from ``now`` our matchmaking window lasts: until the meeting, then a grace window (two for the
+    delegates of a round's groups, who meet as their groups finish: a left-over peer, its own delegate, learns it is
+    left over only when its group window ends, and must still find the others waiting)."""
+    return max(meet_at or now, now) - now + grace * (CROSS_WINDOW if cross else 1)
 
 
 def next_round(gathered: Gathered, round_seconds: float, inner_steps: int) -> Tuple[Optional[float], float]:
