@@ -378,6 +378,25 @@ def test_a_peer_that_catches_up_trains_on_until_its_holders_sync():
     assert peer.hash() == new and peer.transport.sent == []
 
 
+def test_a_peer_that_catches_up_a_moment_before_its_holders_meet_joins_them():
+    """A slow peer ends its round up to one of its steps before the meeting, and catches up there. Its holders, still
+    training, meet within our matchmaking window: we join them. Had we trained on, we would be one epoch behind them
+    again at the next meeting (a real run's 6-s-step peers caught up 5 rounds in a row and merged nothing). Holders
+    that plan to meet a round later are training on: so do we."""
+    outcomes = {}
+    for ahead in (1.5, 60.0):
+        peer = FakePeer()
+        delta = peer.train()
+        new = peer.serve_next_state(delta, contributors=["a"], tokens=100, holders=["a"])
+        peer.transport.peers["a"] = dataclasses.replace(peer.transport.peers["a"], next_sync_at=peer.clock.now + ahead)
+        peer.transport.scripts.append(lambda t, mine, w: with_group(("a", mine))(t, mine, w))
+        result = peer.sync(meet_at=peer.clock.now + 1.5)  # we are 1.5 s early: within a window of the meeting
+        outcomes[ahead] = result.outcome
+        assert result.rebased and peer.hash() != new if result.applied else peer.hash() == new
+        assert [sent[0].hash for sent in peer.transport.sent] == ([new] if result.applied else [])
+    assert outcomes == {1.5: Outcome.APPLIED, 60.0: Outcome.CAUGHT_UP}
+
+
 def test_a_peer_that_catches_up_while_its_holders_sync_joins_them():
     peer = FakePeer()
     delta = peer.train()

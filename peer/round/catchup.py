@@ -69,10 +69,10 @@ class StateCatchUp:
         """The DHT time to judge the records' liveness at (``RecordCache.as_of``)."""
         return self.cache.as_of(self.clock.dht_time())
 
-    def holders_syncing(self) -> bool:
-        """Are the holders of our state in a sync now (``consensus.syncing_now``)? A fresh look: records read before
-        a download predate it."""
-        return bool(syncing_now(self.refresh().values(), self.announcer.record(), self.judged_at()))
+    def holders_syncing(self, within: float = 0.0) -> bool:
+        """Are the holders of our state in a sync now, or in one ``within`` seconds (``consensus.syncing_now``)? A
+        fresh look: records read before a download predate it."""
+        return bool(syncing_now(self.refresh().values(), self.announcer.record(), self.judged_at(), within))
 
     def await_members(self, members: Set[str], until: float) -> None:
         """Read the records every ``MEMBER_POLL`` seconds until each of ``members`` holds our epoch or later, is

@@ -83,13 +83,16 @@ def joining(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float
             and responsive(r, now)]
 
 
-def syncing_now(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[PeerRecord]:
-    """Peers at our exact state that are in a sync now (matchmaking or all-reduce). A peer that has just
-    adopted that state goes to matchmaking at once: its holders may be waiting for it (``joining``), and a round
-    of its own would end after their group closed, the state it holds already being averaged onward."""
+def syncing_now(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None,
+                within: float = 0.0) -> List[PeerRecord]:
+    """Peers at our exact state that are in a sync now (matchmaking or all-reduce), or plan to begin one ``within``
+    seconds. A peer that has just adopted that state goes to matchmaking at once: its holders may be waiting for it
+    (``joining``), and a round of its own would end after their group closed, the state it holds already being
+    averaged onward."""
     now = get_dht_time() if now is None else now
     return [r for r in peers_with_state(records, mine, now)
-            if r.status == SYNCING and r.busy_until is not None and r.busy_until > now]
+            if (r.status == SYNCING and r.busy_until is not None and r.busy_until > now)
+            or (within > 0 and r.status != SYNCING and r.next_sync_at is not None and r.next_sync_at <= now + within)]
 
 
 def voters(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None,
