@@ -17,7 +17,7 @@ from peer.outer.nesterov import nesterov_step
 from peer.round.decide import Outcome
 from peer.round.inflight import sync_round
 from peer.round.schedule import RoundClock
-from peer.swarm.consensus import MAX_MISSED, SYNCING
+from peer.swarm.consensus import MAX_MISSED, SYNCING, responsive
 from peer.swarm.failures import DelegateLost, GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.metadata import Contribution
 from peer.swarm.timing import MAX_STRETCH, SYNC_HEADROOM
@@ -175,9 +175,28 @@ def test_with_overlap_a_sync_that_is_over_publishes_the_plan_of_the_round_in_pro
     planned.set()  # the round in progress was planned: to end at 1900
     clock = SimpleNamespace(planned=planned, target=1900.0, publish=plans.append, realign=lambda: None)
     clock.retarget = lambda end: setattr(clock, "target", end)
+    clock.plan = lambda: clock.target
     result = sync_round(peer.synchronizer, clock, 100, 1, peer.synchronizer.round_budget(), 0.5, None, overlap=True)
     assert result.applied and peer.transport.published[-1].status == SYNCING  # what the sync said last
     assert plans == [1930.0]  # then the group's agreed end of the round in progress, the median of 1900 and 1960
+
+
+def test_a_round_whose_planned_end_has_passed_is_published_as_ending_within_a_step():
+    """A sync that overran its round retargets that round to the group's agreed end, already passed: the round ends
+    at its next step. Published as it was, the stale end made the peer look silent (``responsive``) the moment it
+    published it, and its group closed without it (bench/scale.py: 16 peers, 4 at 6-s steps, a missed group)."""
+    clock = FakeClock(1000.0)
+    round_clock = RoundClock(RunConfig(align_every=0).resolved(), None, None, None, threading.Event(), clock,
+                             lambda _: None)
+    assert round_clock.plan() is None  # no plan: none told
+    round_clock.retarget(1030.0)
+    assert round_clock.plan() == 1030.0  # ahead: as agreed
+    clock.now = 1045.0  # the sync ended 15 s past it, the peer still in its step
+    round_clock.step_seconds = 6.0
+    assert round_clock.plan() == 1051.0
+    first_round = record("slow", 4, "s", 100, next_sync_at=1030.0)  # round_seconds unknown before a first finish
+    assert not responsive(first_round, 1045.5)
+    assert responsive(dataclasses.replace(first_round, next_sync_at=round_clock.plan()), 1045.5)
 
 
 def test_a_round_lined_up_from_the_records_skips_the_plans_of_the_round_just_ended():

@@ -79,5 +79,5 @@ def sync_round(synchronizer, clock, tokens: int, rounds: int, budget: float, ste
         # the sync is over, and our record says so, with the plan of the round in progress. It said "syncing" until
         # that round's end: a peer that adopted our state took us for a group waiting for it and ended its round at
         # once, to meet nobody, and a joiner lined up with a plan we had since given up
-        clock.publish(clock.target)
+        clock.publish(clock.plan())
     return result

@@ -122,6 +122,17 @@ class RoundClock:
         self.aligned = True
         self._set_deadline(end, self.clock.dht_time())
 
+    def plan(self) -> Optional[float]:
+        """The end of the round in progress, as our record tells it. One already passed (a sync that overran the
+        round retargeted it there) is at most a step away: the round ends at its next step. Published as it is,
+        the stale end made others take us for silent, a peer past its planned sync without a word
+        (``consensus.responsive``), and close the group we were about to join without us (bench/scale.py, 16
+        peers, 4 of them at 6-s steps)."""
+        if self.target is None:
+            return None
+        now = self.clock.dht_time()
+        return self.target if self.target > now else now + (self.step_seconds or 0.0)
+
     def finish(self, steps: int, compute_seconds: float, next_round_seconds: Optional[float],
                anchor: Optional[float] = None, stretch: float = 1.0,
                ended: Optional[float] = None) -> Optional[str]:
