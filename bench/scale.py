@@ -230,6 +230,8 @@ def simulate(peers: int, group_size: int, args, seed: int = 0) -> dict:
                   overlap=args.overlap)
     start = GlobalState(params=torch.zeros(SIZE), momentum=torch.zeros(SIZE))
     speeds = [args.step_seconds * math.exp(rng.uniform(0, math.log(args.speed_spread))) for _ in range(peers)]
+    if args.slow_every:  # bench.goodput's mix: every K-th peer a slower device
+        speeds = [args.slow_step_seconds if i % args.slow_every == 0 else s for i, s in enumerate(speeds)]
     nodes = {}
     for index, (link, speed) in enumerate(zip(links(rng, peers, args.home_share), speeds)):
         peer_id = f"p{index:04d}"
@@ -332,6 +334,10 @@ def parse_args(argv):
     parser.add_argument("--inner-steps", type=int, default=100, help="H")
     parser.add_argument("--step-seconds", type=float, default=1.0, help="the fastest peer's seconds per step")
     parser.add_argument("--speed-spread", type=float, default=10.0, help="slowest / fastest step time")
+    parser.add_argument("--slow-every", type=int, default=0,
+                        help="every this many peers, one steps at --slow-step-seconds instead (0: none), as in "
+                             "bench.goodput's real swarms")
+    parser.add_argument("--slow-step-seconds", type=float, default=6.0, help="a slower device's seconds per step")
     parser.add_argument("--churn", type=float, default=0.05, help="share of peers failing per round")
     parser.add_argument("--home-share", type=float, default=0.8, help="share of peers on home links")
     parser.add_argument("--params", type=float, default=10.7e6, help="model parameters (bytes on the wire follow)")
