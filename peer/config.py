@@ -71,8 +71,8 @@ class RunConfig:
     ban_after: int = opt(3, "ignore a peer's parts for the rest of the run after this many rounds with bad parts "
                             "(0 = never)")
     quorum: int = opt(1, "smallest group that may apply an outer step; 1 = a lone peer never blocks")
-    group_size: int = opt(32, "split the peers at one state into groups of about this many (from 1.5 times this many "
-                              "on), whose delegates then average across groups (0 = one group of all)")
+    group_size: int = opt(32, "split the peers at one state into groups of about this many (from 2.5 times this many "
+                              "on: 3 groups), whose delegates then average across groups (0 = one group of all)")
     grace_seconds: float = opt(5.0, "matchmaking window: how long past the round's planned end a group waits for "
                                     "late peers")
     eval_fraction: float = opt(0.02, "tail of every text file held out for eval_loss (local datasets)")

@@ -9,6 +9,7 @@ from dht.records import PeerRecord
 from peer.round.decide import Action, Do, Failure, Outcome, Phase, View, decide, describe, settle_longer
 from peer.swarm import grouping
 from peer.swarm.consensus import MAX_MISSED, SYNCING
+from peer.swarm.failures import NoMajority
 from peer.swarm.grouping import delegate, group_count, plan, union
 from peer.swarm.metadata import Contribution, Delegation
 
@@ -207,17 +208,17 @@ def test_more_peers_at_our_state_than_a_group_holds_meet_in_groups():
 
 
 def test_a_peer_whose_group_holds_nobody_else_goes_across_at_once():
-    same = [f"h{i}" for i in range(40) if grouping.group_of(f"h{i}", MINE.epoch, 2) == 0][:3]  # 3 in one of 2 groups
+    same = [f"h{i}" for i in range(80) if grouping.group_of(f"h{i}", MINE.epoch, 3) == 0][:5]  # 5 in one of 3 groups
     holders = [peer(name) for name in same]
     names = [r.peer_id for r in holders]
     alone = next(name for name in (f"x{i}" for i in range(200)) if plan(names, name, MINE.epoch, 2)[1] == 1)
     lonely = dataclasses.replace(view(Phase.READY, *holders), mine=dataclasses.replace(MINE, peer_id=alone),
                                  group_size=2)
-    assert decide(lonely) == Action(Do.CROSS, expected=plan(names, alone, MINE.epoch, 2)[3], voters=4)
-    # its group of one carries the electorate of four: if no other group's delegate comes, it is a minority and
+    assert decide(lonely) == Action(Do.CROSS, expected=plan(names, alone, MINE.epoch, 2)[3], voters=6)
+    # its group of one carries the electorate of six: if no other group's delegate comes, it is a minority and
     # does not step alone (counting itself only, it did: a fork)
     group = members(alone, voters=decide(lonely).voters)
-    assert decide(view(Phase.CROSSED, failure=Failure.NO_GROUP, group=group, crosses=1, groups=2)) == Action(
+    assert decide(view(Phase.CROSSED, failure=Failure.NO_GROUP, group=group, crosses=1, groups=3)) == Action(
         Do.FINISH, Outcome.NO_OTHER_GROUPS)
 
 
@@ -289,7 +290,8 @@ def test_after_asking_our_delegate():
 
 
 def test_groups_their_delegates_and_what_they_merge():
-    assert [group_count(n, 4) for n in (1, 4, 5, 6, 9, 10, 13, 14, 17, 18)] == [1, 1, 1, 2, 2, 3, 3, 4, 4, 5]
+    # never two groups: neither would be a majority alone, so one lost delegate would cost every peer the round
+    assert [group_count(n, 4) for n in (1, 4, 5, 6, 9, 10, 13, 14, 17, 18)] == [1, 1, 1, 1, 1, 3, 3, 4, 4, 5]
     assert {group_count(n, 4) for n in range(14, 18)} == {4}  # a peer more or less around 16: the same 4 groups
     assert group_count(100, 0) == 1
     roster = [f"p{i}" for i in range(41)]
@@ -321,6 +323,22 @@ def test_groups_their_delegates_and_what_they_merge():
     assert Delegation.from_wire(first.to_wire()) == first
     with pytest.raises(ValueError, match="must hold its epoch"):
         Delegation.from_wire(dict(first.to_wire(), epoch=6))
+
+
+def test_of_three_groups_any_two_cross_as_a_majority_and_of_two_neither_could_alone():
+    """Why a round never has two groups (``group_count``): the cross-group phase applies only as a majority, so with
+    two groups one lost delegate costs every peer the round; with three, the two others still apply."""
+    def delegation(group, voters):
+        return Delegation(epoch=5, hash="aa", align=False, members=members(*group, voters=voters))
+
+    thirds = [[f"g{g}m{m}" for m in range(5)] for g in range(3)]  # 15 peers in 3 groups
+    for lost in range(3):
+        words = {group[0]: delegation(group, 15) for g, group in enumerate(thirds) if g != lost}
+        assert len(grouping.admit(words, cross=True)) == 10
+    halves = [[f"g{g}m{m}" for m in range(8)] for g in range(2)]  # 16 peers in 2 groups
+    with pytest.raises(NoMajority):
+        grouping.admit({halves[0][0]: delegation(halves[0], 16)}, cross=True)
+    assert group_count(16, 8) == 1 and group_count(15, 5) == 3
 
 
 def test_a_peer_left_over_when_the_groups_filled_does_not_go_across():
