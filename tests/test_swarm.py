@@ -142,12 +142,16 @@ def contributed(records, index):
 def test_work_merged_before_a_peer_died_is_not_sent_again_by_its_restart(swarm, tmp_path):
     """A peer dies after its group merged its round, while writing that round's checkpoint: its last checkpoint
     is a mid-round one, holding that round's work as unmerged. The restart finds the swarm's state merged it
-    and drops its copy: the first outer step it joins adds exactly the tokens trained since."""
+    and drops its copy: the first outer step it joins adds exactly the tokens trained since.
+
+    The kill comes 2 s after the checkpoint's write began (the write held meanwhile): killed at once, the victim's
+    averager had not yet sent the survivor its averaged part (CI: "sent 0 of 1 averaged parts"), so the group had
+    not merged the round after all, and the restart rightly sent its work again."""
     checkpoint = tmp_path / "victim"
     flags = ("--inner-steps", "20", "--min-step-seconds", "0.2")  # rounds of 4 s: mid-round checkpoints each second
     victim_flags = ("--checkpoint-dir", str(checkpoint), "--checkpoint-every", "1")
     survivor = swarm.peer("survivor", *flags)
-    victim = swarm.peer("victim", *flags, *victim_flags, faults="kill@checkpoint:2")
+    victim = swarm.peer("victim", *flags, *victim_flags, faults="kill@checkpoint:2+2")
     wait_until(lambda: not victim.alive(), 180, "the kill while writing a round's checkpoint")
     assert victim.popen.returncode == -signal.SIGKILL and victim.metrics[-1]["applied"], victim.stderr[-3000:]
     saved = torch.load(checkpoint / "state.pt", weights_only=True)

@@ -5,7 +5,9 @@ A plan is a comma-separated list of events ``KIND@PHASE:EPOCH[+SECONDS]``, e.g. 
 PHASE in a round at or after EPOCH.
 
 Kinds:
-- ``kill``: SIGKILL the whole peer (its process group: main process, averager, DHT, p2p daemon);
+- ``kill``: SIGKILL the whole peer (its process group: main process, averager, DHT, p2p daemon); with +SECONDS,
+  after holding the thread that reached PHASE that long while the rest of the peer runs on (``kill@checkpoint:2+2``:
+  the round's checkpoint stays unwritten, while the averager finishes sending the round's parts to its groupmates);
 - ``freeze``: SIGSTOP the whole peer for SECONDS, then SIGCONT;
 - ``slow``: throttle the whole peer to a quarter of its speed for SECONDS (stopped 3/4 of the time);
 - ``partition``: take this peer's network links down for SECONDS, then up again. The peer must run in a
@@ -25,6 +27,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -84,6 +87,7 @@ class FaultPlan:
     def _strike(self, event: FaultEvent) -> None:
         group, seconds = self.group, event.seconds
         if event.kind == "kill":
+            time.sleep(seconds)
             os.killpg(group, signal.SIGKILL)
         elif event.kind == "freeze":
             _detached(f"sleep {seconds}; kill -CONT -{group}")
