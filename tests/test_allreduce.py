@@ -58,7 +58,7 @@ def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None, cl
         averager = SwarmAverager(
             torch.zeros(SIZE), None, dht, prefix=prefix, codec=get_codec(codec),
             state_provider=lambda: state or ({}, []), quorum=1, grace_seconds=grace, request_timeout=1.0,
-            allreduce_timeout=10.0, part_timeout=3.0, client_mode=False, hooks=hook, part_size_bytes=2**16,
+            allreduce_timeout=10.0, part_timeout=3.0, client_mode=False, hooks=hook,
             clip_factor=clip_factor, ban_after=ban_after,
         )
         averager.runner_type = runner  # the averager process, forked next, runs its all-reduces with it
@@ -115,8 +115,9 @@ def test_members_end_bit_identical_with_the_weighted_mean(dhts, codec):
             torch.testing.assert_close(results[0], expected, rtol=0, atol={"none": 1e-6, "fp16": 2e-3}[codec])
         assert all(len(outcome.gathered) == 3 for outcome in outcomes)
         # each part goes from its 2 other members to its reducer, and its average back to both: 4 encoded copies
-        # of the vector in all, so 4/3 a member where hivemind deals the parts evenly. Sized for int4-huffman's
-        # nominal 4 bits a value, its parts hold 131,072 values here: the vector makes 2, and one member reduces none.
+        # of the vector in all, so 4/3 a member where hivemind deals the parts evenly. This vector is too small for
+        # several parts a share: at the smallest part (64 KiB, int4-huffman's nominal 4 bits a value) a part holds
+        # 131,072 values, the vector makes 2, and one member reduces none.
         copies = 4 * len(get_codec(codec).encode(values[0]))  # wire_bytes, but for entropy coding
         traffic = [averager.traffic() for averager in averagers]
         for sent, received in [tuple(map(sum, zip(*traffic)))] if codec == "int4-huffman" else traffic:

@@ -34,6 +34,26 @@ from peer.averaging.robust import Offence, robust_mean
 from peer.hooks import REDUCE, SEND, Hooks
 from peer.swarm.failures import GroupLostMember
 
+PART_BYTES = (1 << 16, 1 << 20)  # the smallest and the largest part an all-reduce streams, in nominal encoded bytes
+PARTS_PER_SHARE = 8  # parts each reducer's share is cut into, where that keeps parts at least the smallest
+
+
+def part_bytes(values: int, reducers: int, codec: Codec) -> int:
+    """How large the parts of an all-reduce of ``values`` among ``reducers`` are: the largest power of two in
+    ``PART_BYTES`` that cuts each reducer's share into ``PARTS_PER_SHARE`` parts, where it can.
+
+    hivemind deals whole parts to reducers and a reducer answers part by part. With parts as large as a share, one
+    reducer got 3 of a fragment's 4 shares (bench/results/wan.md: it sent 2.5 MB where the others sent 1.0 and a
+    balanced share is 1.5), and a member's averaged parts came back only after it had sent all of its own. With
+    several parts a share, shares are within a part of equal, and the averaged parts flow back while the rest is
+    still being sent. A power of two keeps parts whole codec blocks. Every member computes the same size: it
+    depends only on what the group agrees on."""
+    share = values * codec.bits_per_value / 8 / max(1, reducers)
+    size = PART_BYTES[1]
+    while size > PART_BYTES[0] and share < PARTS_PER_SHARE * size:
+        size //= 2
+    return size
+
 
 class CodecCompression(CompressionBase):
     """Our pure-tensor codecs behind hivemind's compression interface (used to size and encode parts)."""
@@ -180,7 +200,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         sender_timeout: float,
         reducer_timeout: float,
         codec: Codec,
-        part_size_bytes: int,
+        part_size_bytes: Optional[int] = None,
         hooks: Hooks = Hooks(),
         epoch: int = 0,
         clip_factor: float = 0.0,
@@ -190,6 +210,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.weight = float(weight)
         self.sender_timeout, self.reducer_timeout = sender_timeout, reducer_timeout
         self.compression = CodecCompression(codec)
+        if part_size_bytes is None:
+            reducers = sum(1 for fraction in peer_fractions if fraction > 0)
+            part_size_bytes = part_bytes(sum(t.numel() for t in tensors), reducers, codec)
         self.tensor_part_container = ExactPartContainer(
             tensors, peer_fractions, compression=self.compression, part_size_bytes=part_size_bytes,
             return_deltas=False,

@@ -71,7 +71,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
     def __init__(self, delta: torch.Tensor, moment: Optional[torch.Tensor], dht, *, prefix: str, codec: Codec,
                  state_provider: StateProvider, quorum: int, grace_seconds: float, request_timeout: float,
                  allreduce_timeout: float, part_timeout: float, client_mode: bool, hooks: Optional[Hooks] = None,
-                 part_size_bytes: int = 2**20, clip_factor: float = 0.0, ban_after: int = 0,
+                 part_size_bytes: Optional[int] = None, clip_factor: float = 0.0, ban_after: int = 0,
                  state_size: Optional[int] = None, max_upload_mbit: float = 0.0):
         internals.check_version()
         # values in G (and in m): the buffers hold one fragment of them with --fragments (peer/outer/fragments.py)
@@ -84,6 +84,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         # how long past our window we still wait for a leader's group: its window ends at most one grace after ours,
         # if it reached the meeting before our window ended (``internals.wait_past_window``)
         self.patience = grace_seconds
+        self.part_size_bytes = part_size_bytes  # None: sized per all-reduce (``allreduce.part_bytes``)
         self.max_upload_mbit = max_upload_mbit  # pace our sends below this (0: unpaced; peer/averaging/pacing.py)
         self.round_epoch = -1  # the epoch being synced, as set by prepare_round (averager process)
         self.round_phase, self.round_key = GROUP, ""  # which all-reduce this round's step runs, and the round's key
@@ -105,7 +106,6 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
             allreduce_timeout=allreduce_timeout + 5,  # a backstop: our own deadline fires first, cleanly
             sender_timeout=part_timeout,
             reducer_timeout=2 * part_timeout,
-            part_size_bytes=part_size_bytes,
             client_mode=client_mode,
             declare_state_period=300.0,  # hivemind's donor registry; we pick donors from peer records
             shutdown_timeout=5.0,
@@ -212,7 +212,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
                         group_id=group_info.group_id, tensors=local_tensors, weight=kwargs["weight"],
                         ordered_peer_ids=group_info.peer_ids, peer_fractions=peer_fractions, modes=modes,
                         sender_timeout=self.part_timeout, reducer_timeout=2 * self.part_timeout, codec=self.codec,
-                        part_size_bytes=kwargs["part_size_bytes"], hooks=self.hooks, epoch=self.round_epoch,
+                        part_size_bytes=self.part_size_bytes, hooks=self.hooks, epoch=self.round_epoch,
                         clip_factor=self.clip_factor, banned=self.bans.banned,
                     )
                     internals.register_runner(self, group_info.group_id, runner)
