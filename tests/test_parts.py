@@ -6,7 +6,7 @@ from diloco_compression import CODECS, get_codec
 
 from peer.averaging.allreduce import PART_BYTES, CodecCompression, ExactPartContainer, part_bytes
 
-FRAGMENT = 2_800_000  # a quarter of the small preset: one fragment at --fragments 4
+FRAGMENT = 2_800_000  # about one fragment of the small preset (10.7M values) at --fragments 4
 
 
 def shares(values: int, reducers: int, codec: str, size: int) -> list:
