@@ -15,8 +15,9 @@ Delay and loss: this kernel has no netem, so a namespace's link is then a pair o
 inside, one on the bridge) joined by a user-space forwarder (``docker/forwarder.py``), one process per
 namespace. ``delay_ms`` is the one-way delay between two peers and ``loss`` the chance a packet between
 two peers is lost: each link holds half the delay and a loss of 1 - sqrt(1 - loss), each way, so a
-peer's packets cross two links to another peer (one to the host). The TAPs run at MTU 64000, so the
-forwarder copies few, large frames; link cuts, partitions and rates work as with veths.
+peer's packets cross two links to another peer (one to the host). The TAPs' MTU is ``tap_mtu``: large frames
+where the forwarder would otherwise copy too many, Ethernet's where the link is thin; link cuts, partitions and
+rates work as with veths.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ import sys
 PREFIX = "ddn"  # every namespace and interface name starts with it (Linux interface names: at most 15 chars)
 SUBNETS = range(100, 200)  # 10.k.0.0/24 for one of these k
 HOST_OCTET = 254
-LATENCY = "50ms"
-TAP_MTU = 64000
+LATENCY_MS = 50  # what the shaper's queue holds, in time at its rate
+TAP_MTU = (1500, 64000)  # Ethernet's frame, and the largest a TAP carries here
+SEGMENTS_IN_FLIGHT = 16  # frames a round trip and the shaper's queue hold at least, where the MTU allows
 READY_SECONDS = 30.0
 
 
@@ -72,6 +74,21 @@ def available() -> tuple[bool, str]:
     except RuntimeError as e:
         return False, str(e)
     return True, ""
+
+
+def tap_mtu(rate_mbit: float | None, delay_ms: float) -> int:
+    """The MTU of an emulated link's TAPs: as large as lets a round trip plus the shaper's queue hold
+    ``SEGMENTS_IN_FLIGHT`` frames, within ``TAP_MTU``.
+
+    TCP recovers a lost segment fast only with several in flight (three duplicate ACKs); with fewer it waits out a
+    retransmission timeout. At 1 Mbit/s and 100 ms a round trip, 64000-byte frames left one or two in flight: a
+    quarter of all segments were retransmitted, timeouts doubled into stalls of seconds, and p2pd's connections
+    died of its 10-s write deadline (``bench/results/wan.md``). A home uplink carries 1500-byte frames. An
+    unshaped link keeps the largest, so the forwarder copies few frames."""
+    if rate_mbit is None:
+        return TAP_MTU[1]
+    held = rate_mbit * 1e6 / 8 * (2 * delay_ms + LATENCY_MS) / 1000  # bytes: a round trip's, and the queue's
+    return int(min(TAP_MTU[1], max(TAP_MTU[0], held / SEGMENTS_IN_FLIGHT)))
 
 
 def _free_subnet() -> int:
@@ -258,8 +275,9 @@ class TestNetwork:
             if self.emulated:
                 _run(["ip", "tuntap", "add", "dev", veth, "mode", "tap"])
                 _run(["ip", "-n", ns, "tuntap", "add", "dev", "eth0", "mode", "tap"])
-                _run(["ip", "link", "set", veth, "mtu", str(TAP_MTU)])
-                _run(["ip", "-n", ns, "link", "set", "eth0", "mtu", str(TAP_MTU)])
+                mtu = str(tap_mtu(self.rate_mbit, self.delay_ms))
+                _run(["ip", "link", "set", veth, "mtu", mtu])
+                _run(["ip", "-n", ns, "link", "set", "eth0", "mtu", mtu])
                 self._start_forwarder(i)
             else:
                 _run(["ip", "link", "add", "name", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
@@ -319,7 +337,7 @@ class TestNetwork:
         # latency: the queue holds 50 ms at the rate, enough for TCP to keep the link busy and little enough
         # not to add a standing delay that would eat into hivemind's request timeouts.
         burst = max(64 * 1024, int(self.rate_mbit * 1e6 / 8 / 1000))
-        tbf = ["root", "tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(burst), "latency", LATENCY]
+        tbf = ["root", "tbf", "rate", f"{self.rate_mbit:g}mbit", "burst", str(burst), "latency", f"{LATENCY_MS}ms"]
         _run(["tc", "qdisc", "add", "dev", self._veth(i), *tbf])  # bridge -> namespace
         _run(["tc", "-n", self._edge(i), "qdisc", "add", "dev", "eth0", *tbf])  # namespace -> bridge
 
