@@ -85,3 +85,16 @@ def test_a_sender_with_no_work_is_averaged_in_not_taken_for_an_attacker():
     parts[1] = (torch.zeros(1000), parts[0][1])
     result, offences = robust_mean(parts, clip_factor=2.0)
     assert offences == [] and torch.allclose(result, parts[0][0] / 2)  # it shrinks the step by its weight
+
+
+def test_a_member_with_no_work_adds_nothing_and_offends_nobody():
+    """A peer that dropped its rounds past --max-staleness as the next round began has no tokens: weight 0. Its part
+    is left out of the mean and of the median. Its reducers once took weight 0 for a malformed part and counted an
+    offence toward a ban (the hard row, bench/results/wan.md)."""
+    parts = honest(3)
+    expected, _ = robust_mean(parts, clip_factor=2.0)
+    parts[3] = (1000 * torch.ones(1000), 0.0)
+    result, offences = robust_mean(parts, clip_factor=2.0)
+    assert offences == [] and torch.equal(result, expected)
+    with pytest.raises(ValueError, match="weightless"):
+        robust_mean({3: parts[3]}, clip_factor=2.0)

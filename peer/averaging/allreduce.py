@@ -344,7 +344,7 @@ class ExactAllReduceRunner(AllReduceRunner):
             shape = next(shapes, None)
             if shape is None:
                 raise GroupLostMember(f"sender #{sender_index} sent more than the {reducer.num_parts} parts expected")
-            if not 0 < message.weight < float("inf"):
+            if not 0 <= message.weight < float("inf"):  # 0: a member with no work this round (robust_mean)
                 return None, 1.0, f"weight {message.weight}"
             try:
                 return self.compression.extract_expected(message.tensor_part, shape), message.weight, None

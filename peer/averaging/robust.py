@@ -3,7 +3,8 @@
 A public run admits strangers, and one broken or hostile peer must not ruin the global state. Each
 reducer, for each part, takes every sender's part and weight and:
 
-1. rejects a part that holds NaN or Inf (its weight drops out);
+1. rejects a part that holds NaN or Inf (its weight drops out), and leaves out a part of weight 0 (a member
+   with no work this round: it takes the round's result and adds nothing, not even to the median);
 2. computes a center, the coordinate-wise median of the remaining parts;
 3. rejects a part whose deviation from the center is more than SEVERE times the clipping bound
    (``clip_factor`` times the median deviation norm): no honest peer, however stale, is that far off;
@@ -52,10 +53,10 @@ def robust_mean(parts: Dict[int, Tuple[torch.Tensor, float]], clip_factor: float
     usable = {}
     for sender in sorted(parts):
         part, weight = parts[sender]
-        if torch.isfinite(part).all():
-            usable[sender] = (part.to(torch.float32), float(weight))
-        else:
+        if not torch.isfinite(part).all():
             offences.append(Offence(sender, "non-finite"))
+        elif weight > 0:  # weight 0: a member with no work this round (it dropped its rounds past --max-staleness)
+            usable[sender] = (part.to(torch.float32), float(weight))
     total = sum(weight for _, weight in usable.values())
     if not usable or total <= 0:
         raise ValueError("no sender's part is usable (every one non-finite or weightless)")
