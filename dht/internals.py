@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from math import isfinite
-from typing import Any, Awaitable, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Awaitable, Callable, List, Optional, Sequence, Set, Tuple
 
 import hivemind
 from hivemind.dht.crypto import RSAPrivateKey
@@ -150,6 +150,14 @@ def use_round_key(matchmaking, bits: str) -> None:
     manager = matchmaking.group_key_manager
     manager.group_bits = bits
     manager.update_key_on_group_assembled = keep_key
+
+
+def forming_with(matchmaking) -> Set[str]:
+    """The peers of the group our matchmaking is forming now: our leader, or our followers."""
+    peers = set(matchmaking.current_followers)
+    if matchmaking.current_leader is not None:
+        peers.add(matchmaking.current_leader)
+    return {peer.to_base58() for peer in peers}
 
 
 def set_group_sizes(matchmaking, min_group: int, target: int) -> None:

@@ -14,7 +14,7 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Set, Tuple
+from typing import Iterable, List, Optional, Set, Tuple
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -302,27 +302,44 @@ def visible_maddrs(dht: hivemind.DHT) -> list:
     return sorted(set(maddrs), key=lambda m: (scope(m), m))
 
 
-async def _ping_peers(peer_ids: Tuple[str, ...], _dht, node) -> int:
+async def _ping_peers(peer_ids: Tuple[str, ...], drop: bool, _dht, node) -> Tuple[str, ...]:
     peers = [PeerID.from_base58(peer_id) for peer_id in peer_ids]
     answers = await asyncio.gather(*map(node.protocol.call_ping, peers), return_exceptions=True)
-    answered = [answer is not None and not isinstance(answer, BaseException) for answer in answers]
-    for peer, ok in zip(peers, answered):
-        if not ok:  # drop the connection: after a partition heals, its TCP retransmission backoff held the next
-            try:    # pings for seconds past the heal; a fresh dial goes through at once
-                await internals.disconnect(internals.dht_p2p(node), peer)
-            except Exception as e:  # not connected at all
-                logger.debug(f"disconnect from {peer} failed: {e!r}")
-    return sum(answered)
+    unanswered = tuple(peer_id for peer_id, answer in zip(peer_ids, answers)
+                       if answer is None or isinstance(answer, BaseException))
+    if drop:
+        await drop_connections(internals.dht_p2p(node), unanswered)
+    return unanswered
 
 
-def reach_out(dht: hivemind.DHT, peer_ids: Iterable[str]):
+async def drop_connections(p2p, peer_ids: Iterable[str]) -> List[str]:
+    """Close our p2p daemon's connections to these peers, which did not answer a ping: after a partition heals, TCP's
+    retransmission backoff held the next pings on the old connection for seconds past the heal, where a fresh dial
+    goes through at once. Returns those it was connected to."""
+    dropped = []
+    for peer_id in peer_ids:
+        try:
+            await internals.disconnect(p2p, PeerID.from_base58(peer_id))
+            dropped.append(peer_id)
+        except Exception as e:  # not connected at all
+            logger.debug(f"disconnect from {peer_id} failed: {e!r}")
+    if dropped:
+        logger.debug(f"dropped the connections to {', '.join(dropped)}: no answer to a ping")
+    return dropped
+
+
+def reach_out(dht: hivemind.DHT, peer_ids: Iterable[str], drop: bool = True):
     """Ping these peers in the background, putting each of us back into the other's routing table; returns a
-    future of how many answered (None if there was nobody to ping).
+    future of those that did not answer (None if there was nobody to ping).
 
     hivemind's DHT drops a node from its routing table when a request to it fails and never looks for it
     again, so after a partition heals the halves stay apart until something else reconnects them (the
-    bootstrap node, if it sat in the other half, is forgotten too). A ping on each side fixes that."""
+    bootstrap node, if it sat in the other half, is forgotten too). A ping on each side fixes that.
+
+    ``drop``: close the connection to each peer that did not answer (``drop_connections``). A peer that averages
+    passes False and leaves that to its averager, which keeps the connections its all-reduce runs over
+    (``SwarmAverager.drop_connections``)."""
     peer_ids = tuple(sorted(set(peer_ids)))
     if peer_ids:
-        return dht.run_coroutine(functools.partial(_ping_peers, peer_ids), return_future=True)
+        return dht.run_coroutine(functools.partial(_ping_peers, peer_ids, drop), return_future=True)
     return None

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import hivemind
 from hivemind.utils import get_dht_time
@@ -96,8 +97,11 @@ class RecordPublisher:
     """Publishes one peer's successive records with strictly increasing expiration times, and refreshes
     the last one every ``heartbeat`` seconds from a daemon thread until ``stop``."""
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, heartbeat: float = HEARTBEAT_SECONDS):
+    def __init__(self, dht: hivemind.DHT, run_id: str, heartbeat: float = HEARTBEAT_SECONDS,
+                 drop: Optional[Callable[[Sequence[str]], Any]] = None):
         self.dht, self.run_id, self.heartbeat, self.expiration = dht, run_id, heartbeat, 0.0
+        # who closes the connections to the peers that did not answer (None: the DHT, ``reach_out``)
+        self.drop = drop
         self.last: Optional[tuple] = None  # (record, ttl) last published
         self.lock = threading.Lock()
         self.stopped = threading.Event()
@@ -129,15 +133,22 @@ class RecordPublisher:
             try:
                 with self.lock:
                     self._store()
-                if self.reach:
-                    reach_out(self.dht, self.reach).add_done_callback(self._pinged)
+                reach = self.reach
+                if reach:
+                    pinged = reach_out(self.dht, reach, drop=self.drop is None)
+                    pinged.add_done_callback(functools.partial(self._pinged, len(reach)))
             except Exception as e:  # the DHT is shutting down under us: our peer is leaving
                 logger.debug(f"record heartbeat stopped: {e!r}")
                 return
 
-    def _pinged(self, future) -> None:
-        if not future.cancelled() and future.exception() is None and future.result():
+    def _pinged(self, pinged: int, future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        unanswered = future.result()
+        if len(unanswered) < pinged:
             self.answered.set()
+        if unanswered and self.drop is not None:
+            self.drop(unanswered)
 
 
 def fetch_records(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = None) -> Optional[Dict[str, PeerRecord]]:

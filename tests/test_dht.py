@@ -163,13 +163,13 @@ def test_reaching_out_puts_a_forgotten_peer_back_into_the_routing_table(two_node
     other = second.peer_id.to_base58()
     assert first.run_coroutine(functools.partial(_forget, other))
     assert not first.run_coroutine(functools.partial(_knows, other))
-    assert reach_out(first, [other]).result(timeout=10) == 1
+    assert reach_out(first, [other]).result(timeout=10) == ()
     assert wait_until(lambda: first.run_coroutine(functools.partial(_knows, other)), 10, "the peer to be known again")
     assert reach_out(first, []) is None
     # a peer that does not answer (gone, or cut off: then its connection is dropped so that the next ping dials
     # afresh) counts as no answer, not an error
     nobody = PeerID.from_base58("QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN").to_base58()
-    assert reach_out(first, [other, nobody]).result(timeout=30) == 1
+    assert reach_out(first, [other, nobody]).result(timeout=30) == (nobody,)
 
 
 def test_port_in_use_is_a_user_error():

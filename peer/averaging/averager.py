@@ -21,7 +21,7 @@ import ctypes
 import hashlib
 import logging
 import multiprocessing as mp
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Set, Tuple
 
 import torch
 from diloco_compression import Codec
@@ -32,7 +32,7 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 from dht import internals
-from dht.node import init_child_process
+from dht.node import drop_connections, init_child_process
 from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.bans import Bans
 from peer.averaging.leaders import RecordLeaders
@@ -92,6 +92,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         self._rounds_prepared = 0  # prepare_round calls so far (averager process): a stale probe's round is over
         self._probe_task: Optional[asyncio.Task] = None  # this round's liveness probe (averager process)
         self._leaders: Optional[RecordLeaders] = None  # whom this round's matchmaking asks to lead (averager process)
+        self._averaging_with: Set[str] = set()  # the members of the all-reduce running now (averager process)
         self.has_moment = moment is not None
         tensors = [delta] + ([moment] if moment is not None else [])
         super().__init__(
@@ -190,9 +191,27 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         except Exception as e:  # already delivered to the caller through its StepControl
             logger.debug(f"averaging step failed: {e!r}")
 
+    def drop_connections(self, peer_ids: Sequence[str]) -> MPFuture:
+        """Close our daemon's connections to these peers, which did not answer a ping (``dht.node.drop_connections``),
+        except to the members of our all-reduce or of the group we are forming. A thin link's queues hold a ping for
+        seconds, and a connection closed takes every stream on it: dropping busy groupmates failed a quarter of the
+        hard row's fragment rounds (bench/results/wan.md). Returns a future of those dropped; nobody needs to wait."""
+        future = MPFuture()
+        internals.call_in_averager(self, "_drop_connections", peer_ids=list(peer_ids), future=future)
+        return future
+
+    async def _drop_connections(self, peer_ids: List[str], future: MPFuture) -> None:
+        try:
+            keep = self._averaging_with | internals.forming_with(internals.matchmaking(self))
+            future.set_result(await drop_connections(internals.averager_p2p(self), [p for p in peer_ids
+                                                                                    if p not in keep]))
+        except BaseException as e:
+            future.set_exception(e)
+
     # ---- all-reduce (averager process) ----
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> Averaged:
         """Run the exact all-reduce in a formed group, unless the group may not apply the round."""
+        self._averaging_with = {peer.to_base58() for peer in group_info.peer_ids}  # before any await
         bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
         gathered = self._read_gathered(group_info.peer_ids, user_bytes)
         count = 2 if (next(iter(gathered.values())).align and self.has_moment) else 1
@@ -221,6 +240,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         except Exception as e:  # hivemind's _step only retries on its own exception types
             raise self._failure(e, runner) from None
         finally:
+            self._averaging_with = set()
             if runner is not None:
                 internals.retrieve_runner_error(runner)
         if self.round_phase == CROSS or self.round_group < 0:

@@ -112,7 +112,7 @@ class SwarmTransport:
         self.phase = GROUP  # the phase the last ``prepare`` set up
         self.meet_at: Optional[float] = None  # and when its window starts (None: at once)
         self.grace = grace_seconds  # and how long it lasts
-        self.publisher = RecordPublisher(dht, namespace)
+        self.publisher = RecordPublisher(dht, namespace, drop=averager.drop_connections)
         self.reader = RecordReader(dht, namespace)
         self.answered = self.publisher.answered
 
@@ -123,7 +123,13 @@ class SwarmTransport:
         self.publisher.publish(record, ttl)
 
     def reach_out(self, peer_ids: Sequence[str]) -> None:
-        reach_out(self.dht, peer_ids)
+        pinged = reach_out(self.dht, peer_ids, drop=False)  # our averager drops those not averaging with us
+        if pinged is not None:
+            pinged.add_done_callback(self._drop_unanswered)
+
+    def _drop_unanswered(self, pinged) -> None:
+        if not pinged.cancelled() and pinged.exception() is None and pinged.result():
+            self.averager.drop_connections(pinged.result())
 
     def watch(self, silent: Sequence[str]) -> None:
         self.publisher.reach = tuple(silent)  # and is noticed mid-round (``RoundClock.watch``)
