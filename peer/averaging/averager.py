@@ -21,7 +21,7 @@ import ctypes
 import hashlib
 import logging
 import multiprocessing as mp
-from typing import Any, List, Optional, Sequence, Set, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from diloco_compression import Codec
@@ -35,6 +35,7 @@ from dht import internals
 from dht.node import drop_connections, init_child_process
 from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.bans import Bans
+from peer.averaging.inuse import InUse
 from peer.averaging.leaders import RecordLeaders
 from peer.averaging.liveness import stop_waiting_for_the_gone
 from peer.averaging.pacing import CHUNK_BYTES, SMALL_BYTES, Pacer
@@ -92,7 +93,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         self._rounds_prepared = 0  # prepare_round calls so far (averager process): a stale probe's round is over
         self._probe_task: Optional[asyncio.Task] = None  # this round's liveness probe (averager process)
         self._leaders: Optional[RecordLeaders] = None  # whom this round's matchmaking asks to lead (averager process)
-        self._averaging_with: Set[str] = set()  # the members of the all-reduce running now (averager process)
+        self._in_use = InUse()  # the peers we exchange streams with now (averager process)
         self.has_moment = moment is not None
         tensors = [delta] + ([moment] if moment is not None else [])
         super().__init__(
@@ -193,16 +194,17 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
 
     def drop_connections(self, peer_ids: Sequence[str]) -> MPFuture:
         """Close our daemon's connections to these peers, which did not answer a ping (``dht.node.drop_connections``),
-        except to the members of our all-reduce or of the group we are forming. A thin link's queues hold a ping for
-        seconds, and a connection closed takes every stream on it: dropping busy groupmates failed a quarter of the
-        hard row's fragment rounds (bench/results/wan.md). Returns a future of those dropped; nobody needs to wait."""
+        except to the peers we exchange streams with (``averaging/inuse.py``: an all-reduce, a download either way) and
+        to the group we are forming. A thin link's queues hold a ping for seconds, and a connection closed takes every
+        stream on it: dropping busy groupmates failed a quarter of the hard row's fragment rounds
+        (bench/results/wan.md). Returns a future of those dropped; nobody needs to wait."""
         future = MPFuture()
         internals.call_in_averager(self, "_drop_connections", peer_ids=list(peer_ids), future=future)
         return future
 
     async def _drop_connections(self, peer_ids: List[str], future: MPFuture) -> None:
         try:
-            keep = self._averaging_with | internals.forming_with(internals.matchmaking(self))
+            keep = self._in_use.peers() | internals.forming_with(internals.matchmaking(self))
             future.set_result(await drop_connections(internals.averager_p2p(self), [p for p in peer_ids
                                                                                     if p not in keep]))
         except BaseException as e:
@@ -211,7 +213,10 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
     # ---- all-reduce (averager process) ----
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> Averaged:
         """Run the exact all-reduce in a formed group, unless the group may not apply the round."""
-        self._averaging_with = {peer.to_base58() for peer in group_info.peer_ids}  # before any await
+        with self._in_use.streaming(peer.to_base58() for peer in group_info.peer_ids):  # before any await
+            return await self._aggregate_in(group_info, min_vector_size, **kwargs)
+
+    async def _aggregate_in(self, group_info, min_vector_size: int, **kwargs) -> Averaged:
         bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
         gathered = self._read_gathered(group_info.peer_ids, user_bytes)
         count = 2 if (next(iter(gathered.values())).align and self.has_moment) else 1
@@ -240,7 +245,6 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         except Exception as e:  # hivemind's _step only retries on its own exception types
             raise self._failure(e, runner) from None
         finally:
-            self._averaging_with = set()
             if runner is not None:
                 internals.retrieve_runner_error(runner)
         if self.round_phase == CROSS or self.round_group < 0:

@@ -30,6 +30,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
 
 from dht import internals
 from peer.averaging.allreduce import CodecCompression
+from peer.averaging.inuse import InUse
 from peer.averaging.striping import stripe
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class RoundResults:
     """Serves our cross-group rounds' results (``rpc_download_average``) and downloads one from its delegates."""
 
     _served: "OrderedDict[str, Served]"
+    _in_use: InUse  # the peers we stream with now (``SwarmAverager``)
 
     def _result(self, key: str) -> Served:
         if not hasattr(self, "_served"):
@@ -143,10 +145,11 @@ class RoundResults:
         served = self._served.get(key) if hasattr(self, "_served") else None
         status = served.status if served is not None else PENDING
         info = dict(served.info, parts=len(served.parts)) if status in (READY, GROUP_ONLY) else {}
-        yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(info, status=status)))
-        if status == READY:
-            for part in served.parts[max(start, 0):min(end, len(served.parts))]:
-                yield averaging_pb2.DownloadData(tensor_part=part)
+        with self._in_use.streaming([_context.remote_id.to_base58()]):
+            yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(info, status=status)))
+            if status == READY:
+                for part in served.parts[max(start, 0):min(end, len(served.parts))]:
+                    yield averaging_pb2.DownloadData(tensor_part=part)
 
     def download_average(self, delegate: str, epoch: int, state_hash: str, numels: Sequence[int], timeout: float,
                          part_timeout: float, wait: bool = True) -> Dict[str, Any]:
@@ -213,13 +216,14 @@ class RoundResults:
     async def _ask(self, donor: str, key: str, start: int, end: int, part_timeout: float):
         stub = self.get_stub(internals.averager_p2p(self), PeerID.from_base58(donor), namespace=self.prefix)
         request = averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(key=key, start=start, end=end)))
-        stream = await stub.rpc_download_average(request)
         info, parts = None, []
-        async for message in aiter_with_timeout(stream, timeout=part_timeout):
-            if info is None:
-                info = self.serializer.loads(message.metadata)
-            else:
-                parts.append(message.tensor_part)
+        with self._in_use.streaming([donor]):
+            stream = await stub.rpc_download_average(request)
+            async for message in aiter_with_timeout(stream, timeout=part_timeout):
+                if info is None:
+                    info = self.serializer.loads(message.metadata)
+                else:
+                    parts.append(message.tensor_part)
         if not isinstance(info, dict):
             raise ValueError(f"{donor} sent no status")
         return info, parts

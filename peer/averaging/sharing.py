@@ -24,6 +24,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from dht import internals
+from peer.averaging.inuse import InUse
 from peer.averaging.striping import stripe
 from peer.hooks import DONOR
 
@@ -41,6 +42,7 @@ class StateSharing:
     """Serves slices of our state (``rpc_download_slice``) and downloads a state from several donors."""
 
     _state_provider: StateProvider
+    _in_use: InUse  # the peers we stream with now (``SwarmAverager``)
     state_size: int  # values in G, and in m
     _shared: Optional[Tuple[Dict[str, Any], List[torch.Tensor]]] = None  # the snapshot donors serve
     _shared_used = 0.0
@@ -94,11 +96,12 @@ class StateSharing:
         if not 0 <= start < end <= sum(t.numel() for t in tensors):
             return
         piece = serialize_torch_tensor(_take(tensors, start, end))
-        for index, part in enumerate(split_for_streaming(piece)):
-            yield averaging_pb2.DownloadData(tensor_part=part, metadata=self.serializer.dumps(metadata) if index == 0
-                                             else b"")
-            if index == 0:
-                self.hooks.at(DONOR, int(metadata.get("epoch", 0)))  # a fault plan may strike mid-transfer
+        with self._in_use.streaming([_context.remote_id.to_base58()]):
+            for index, part in enumerate(split_for_streaming(piece)):
+                yield averaging_pb2.DownloadData(tensor_part=part,
+                                                 metadata=self.serializer.dumps(metadata) if index == 0 else b"")
+                if index == 0:
+                    self.hooks.at(DONOR, int(metadata.get("epoch", 0)))  # a fault plan may strike mid-transfer
 
     def download_state(self, donors: Sequence[str], state_hash: str, timeout: float, part_timeout: float,
                        relayed: bool = False) -> Optional[Tuple[List[str], Dict, List[torch.Tensor]]]:
@@ -139,7 +142,9 @@ class StateSharing:
             if donor not in stubs:
                 stubs[donor] = self.get_stub(internals.averager_p2p(self), PeerID.from_base58(donor),
                                              namespace=self.prefix)
-            return await self._fetch_slice(stubs[donor], state_hash, bounds[index], bounds[index + 1], part_timeout)
+            with self._in_use.streaming([donor]):
+                return await self._fetch_slice(stubs[donor], state_hash, bounds[index], bounds[index + 1],
+                                               part_timeout)
 
         got = await stripe(donors, count, fetch, "state download")
         if len(got) < count:
