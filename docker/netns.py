@@ -82,9 +82,9 @@ def tap_mtu(rate_mbit: float | None, delay_ms: float) -> int:
 
     TCP recovers a lost segment fast only with several in flight (three duplicate ACKs); with fewer it waits out a
     retransmission timeout. At 1 Mbit/s and 100 ms a round trip, 64000-byte frames left one or two in flight: a
-    quarter of all segments were retransmitted, timeouts doubled into stalls of seconds, and p2pd's connections
-    died of its 10-s write deadline (``bench/results/wan.md``). A home uplink carries 1500-byte frames. An
-    unshaped link keeps the largest, so the forwarder copies few frames."""
+    quarter to a third of all segments were retransmitted, and each namespace counted hundreds of retransmission
+    timeouts in minutes (``bench/results/wan.md``). A home uplink carries 1500-byte frames. An unshaped link keeps
+    the largest, so the forwarder copies few frames."""
     if rate_mbit is None:
         return TAP_MTU[1]
     held = rate_mbit * 1e6 / 8 * (2 * delay_ms + LATENCY_MS) / 1000  # bytes: a round trip's, and the queue's

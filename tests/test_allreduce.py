@@ -175,9 +175,9 @@ def test_bad_parts_are_rejected_and_members_still_agree(dhts):
 
 def test_groupmates_that_miss_a_ping_keep_their_connections_mid_all_reduce(dhts):
     """On a thin link a DHT ping waits seconds behind the all-reduce's bytes and goes unanswered; the peer then closed
-    its connection to that groupmate, and every stream of the all-reduce on it (a quarter of the hard row's
-    fragment rounds failed so, bench/results/wan.md). The averager keeps its all-reduce's connections, and drops
-    them once it is over."""
+    its connection to that groupmate, and every stream of the all-reduce on it (11-12 of a run's 76-89 fragment
+    syncs on the hard row were lost so, bench/results/wan.md). The averager keeps its all-reduce's connections.
+    (Dropping them once it is over is left out: the DHT nodes are the module's, shared with the tests after.)"""
     opened = multiprocessing.Event()
     averagers = make_averagers(dhts, "keep", "none", hooks=(None, None, gate(REDUCE, opened)))
     try:
@@ -188,7 +188,6 @@ def test_groupmates_that_miss_a_ping_keep_their_connections_mid_all_reduce(dhts)
         opened.set()
         outcomes = [control.result(timeout=60) for control in controls]
         assert_met_as_one(averagers, outcomes)
-        assert sorted(averagers[0].drop_connections(groupmates).result(timeout=10)) == groupmates
     finally:
         opened.set()
         for averager in averagers:

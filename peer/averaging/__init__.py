@@ -6,6 +6,7 @@
 - ``bans.py``       offences counted across rounds, and bans
 - ``leaders.py``    whom a round's matchmaking asks to lead its group: the expected peers our records name
 - ``liveness.py``   whether an expected peer can be reached now (dials refused or in backoff), and the probe
+- ``inuse.py``      the peers we stream with now, whose connections an unanswered ping leaves open
 - ``sharing.py``    state sharing: snapshots served by slice, striped downloads from several donors
 - ``results.py``    a cross-group round's result, served by its delegates to their groupmates
 - ``striping.py``   one download from many donors at once, a donor that fails dropped (both downloads above)

@@ -196,7 +196,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         """Close our daemon's connections to these peers, which did not answer a ping (``dht.node.drop_connections``),
         except to the peers we exchange streams with (``averaging/inuse.py``: an all-reduce, a download either way) and
         to the group we are forming. A thin link's queues hold a ping for seconds, and a connection closed takes every
-        stream on it: dropping busy groupmates failed a quarter of the hard row's fragment rounds
+        stream on it: dropping busy groupmates lost 11-12 of a run's 76-89 fragment syncs on the hard row
         (bench/results/wan.md). Returns a future of those dropped; nobody needs to wait."""
         future = MPFuture()
         internals.call_in_averager(self, "_drop_connections", peer_ids=list(peer_ids), future=future)
