@@ -14,7 +14,7 @@ import signal
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -328,7 +328,8 @@ async def drop_connections(p2p, peer_ids: Iterable[str]) -> List[str]:
     return dropped
 
 
-def reach_out(dht: hivemind.DHT, peer_ids: Iterable[str], drop: bool = True):
+def reach_out(dht: hivemind.DHT, peer_ids: Iterable[str],
+              drop: Optional[Callable[[Tuple[str, ...]], Any]] = None):
     """Ping these peers in the background, putting each of us back into the other's routing table; returns a
     future of those that did not answer (None if there was nobody to ping).
 
@@ -336,10 +337,17 @@ def reach_out(dht: hivemind.DHT, peer_ids: Iterable[str], drop: bool = True):
     again, so after a partition heals the halves stay apart until something else reconnects them (the
     bootstrap node, if it sat in the other half, is forgotten too). A ping on each side fixes that.
 
-    ``drop``: close the connection to each peer that did not answer (``drop_connections``). A peer that averages
-    passes False and leaves that to its averager, which keeps the connections its all-reduce runs over
-    (``SwarmAverager.drop_connections``)."""
+    The connection to each peer that did not answer is closed (``drop_connections``), by the DHT, or, given ``drop``,
+    by whoever ``drop`` hands them to: a peer that averages leaves that to its averager, which keeps the connections
+    it streams over (``SwarmAverager.drop_connections``)."""
     peer_ids = tuple(sorted(set(peer_ids)))
-    if peer_ids:
-        return dht.run_coroutine(functools.partial(_ping_peers, peer_ids, drop), return_future=True)
-    return None
+    if not peer_ids:
+        return None
+    pinged = dht.run_coroutine(functools.partial(_ping_peers, peer_ids, drop is None), return_future=True)
+    if drop is not None:
+        def hand_over(future) -> None:
+            if not future.cancelled() and future.exception() is None and future.result():
+                drop(future.result())
+
+        pinged.add_done_callback(hand_over)
+    return pinged

@@ -135,7 +135,7 @@ class RecordPublisher:
                     self._store()
                 reach = self.reach
                 if reach:
-                    pinged = reach_out(self.dht, reach, drop=self.drop is None)
+                    pinged = reach_out(self.dht, reach, drop=self.drop)
                     pinged.add_done_callback(functools.partial(self._pinged, len(reach)))
             except Exception as e:  # the DHT is shutting down under us: our peer is leaving
                 logger.debug(f"record heartbeat stopped: {e!r}")
@@ -144,11 +144,8 @@ class RecordPublisher:
     def _pinged(self, pinged: int, future) -> None:
         if future.cancelled() or future.exception() is not None:
             return
-        unanswered = future.result()
-        if len(unanswered) < pinged:
+        if len(future.result()) < pinged:
             self.answered.set()
-        if unanswered and self.drop is not None:
-            self.drop(unanswered)
 
 
 def fetch_records(dht: hivemind.DHT, run_id: str, timeout: Optional[float] = None) -> Optional[Dict[str, PeerRecord]]:

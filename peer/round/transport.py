@@ -123,13 +123,7 @@ class SwarmTransport:
         self.publisher.publish(record, ttl)
 
     def reach_out(self, peer_ids: Sequence[str]) -> None:
-        pinged = reach_out(self.dht, peer_ids, drop=False)  # our averager drops those not averaging with us
-        if pinged is not None:
-            pinged.add_done_callback(self._drop_unanswered)
-
-    def _drop_unanswered(self, pinged) -> None:
-        if not pinged.cancelled() and pinged.exception() is None and pinged.result():
-            self.averager.drop_connections(pinged.result())
+        reach_out(self.dht, peer_ids, drop=self.averager.drop_connections)
 
     def watch(self, silent: Sequence[str]) -> None:
         self.publisher.reach = tuple(silent)  # and is noticed mid-round (``RoundClock.watch``)
