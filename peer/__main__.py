@@ -53,7 +53,8 @@ def parse_args(argv: Optional[Sequence[str]] = None):
 
 
 def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stderr)
     # hivemind logs every failed all-reduce with a traceback; our own lines say what happened
     logging.getLogger("hivemind").setLevel(logging.INFO if verbose else logging.CRITICAL)
     if verbose:
