@@ -98,3 +98,27 @@ def test_a_member_with_no_work_adds_nothing_and_offends_nobody():
     assert offences == [] and torch.equal(result, expected)
     with pytest.raises(ValueError, match="weightless"):
         robust_mean({3: parts[3]}, clip_factor=2.0)
+
+
+def test_a_sender_whose_stream_is_cancelled_fails_the_part_as_its_own_loss():
+    """hivemind cancels a stream handler's task when the stream closes; the part future every sender and our own
+    part await must not be cancelled with it, or the whole group reads a cancellation instead of the lost sender."""
+    import asyncio
+
+    from peer.averaging.allreduce import RobustPartReducer
+    from peer.swarm.failures import GroupLostMember
+
+    async def run():
+        reducer = RobustPartReducer((torch.Size([4]),), 3, clip_factor=0.0, ignored=set(), on_offence=lambda o: None)
+        own = asyncio.create_task(reducer.accumulate_part(0, 0, torch.ones(4)))
+        theirs = asyncio.create_task(reducer.accumulate_part(1, 0, torch.full((4,), 3.0)))
+        await asyncio.sleep(0)
+        theirs.cancel()  # its stream closed
+        await asyncio.sleep(0)
+        assert theirs.cancelled() and not own.done()
+        reducer.on_sender_failed(1)  # what hivemind's handler does next (``_ban_sender``)
+        with pytest.raises(GroupLostMember, match="sender #1 failed"):
+            await own
+
+    asyncio.run(run())
+

@@ -164,7 +164,11 @@ class RobustPartReducer(ExactPartReducer):
             self.collected[sender_index] = (tensor_part, weight)
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
-        return await future
+        # every sender's stream and our own part await this one future; hivemind cancels a stream handler's task
+        # when its stream closes, and a cancelled awaiter would cancel the future for all of them, so that a member
+        # whose connection broke showed as "lost reducer <us>: CancelledError()". Shielded, that sender's loss
+        # reaches the others as itself (``on_sender_failed``: "sender #i failed").
+        return await asyncio.shield(future)
 
     def check_current_part_finished(self) -> None:
         if self.current_part_accumulated_from < self.num_current_senders:
