@@ -93,7 +93,8 @@ def allreduce_worker(args) -> None:
     averager = SwarmAverager(
         torch.zeros(args.values), None, dht, prefix="link", codec=get_codec(args.codec),
         state_provider=lambda: ({}, []), quorum=1, grace_seconds=5.0, request_timeout=5.0,
-        allreduce_timeout=600.0, part_timeout=300.0, client_mode=False, part_size_bytes=args.part_size_bytes or None,
+        allreduce_timeout=600.0, part_timeout=args.part_timeout, client_mode=False,
+        part_size_bytes=args.part_size_bytes or None,
     )
     averager.run_in_background(await_ready=True)
     generator = torch.Generator().manual_seed(args.index)
@@ -101,7 +102,7 @@ def allreduce_worker(args) -> None:
         with averager.get_tensors() as (delta,):
             delta.copy_(torch.randn(args.values, generator=generator))
         averager.prepare_round(epoch, "cafe", min_group=len(args.ips), expected_group=len(args.ips),
-                               allreduce_timeout=600.0, part_timeout=300.0)
+                               allreduce_timeout=600.0, part_timeout=args.part_timeout)
         before = averager.traffic()
         start = args.start + epoch * args.period
         wait = max(1.0, start - time.time())
@@ -131,7 +132,7 @@ def run_mode(mode: str, net, swarm: Swarm, args, log_dir: Path, per_pair: int = 
     else:
         extra = ["--initial-peers", swarm.maddr, "--values", str(args.values), "--codec", args.codec,
                  "--rounds", str(args.rounds), "--period", str(args.period),
-                 "--part-size-bytes", str(part_size)]
+                 "--part-size-bytes", str(part_size), "--part-timeout", str(args.part_timeout)]
     name = mode if mode == "tcp" else f"{mode}-{part_size}-"
     workers = [swarm.track(Proc([sys.executable, "-m", "bench.link_allreduce", mode, "--index", str(i), *common,
                                  *extra], log_dir, f"{name}{i}", lambda argv, i=i: net.wrap(i, argv)))
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
         parser.add_argument("--rounds", type=int, default=1)
         parser.add_argument("--period", type=float, default=60.0)
         parser.add_argument("--part-size-bytes", type=int, default=0)
+        parser.add_argument("--part-timeout", type=float, default=300.0)
         args = parser.parse_args(argv)
         (tcp_worker if args.mode == "tcp" else allreduce_worker)(args)
         return 0
@@ -181,6 +183,8 @@ def main(argv=None) -> int:
     parser.add_argument("--part-sizes", default="1048576,0",
                         help="comma-separated part sizes in bytes, one all-reduce run each; 0: the peer's own "
                              "(allreduce.part_bytes); 1048576: the fixed size before it")
+    parser.add_argument("--part-timeout", type=float, default=300.0,
+                        help="the peer's --part-timeout: most seconds a member waits for a groupmate's next part")
     args = parser.parse_args(argv)
     part_sizes = [int(size) for size in args.part_sizes.split(",")]
     log_dir = Path(tempfile.mkdtemp(prefix="link_allreduce_"))
