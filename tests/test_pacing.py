@@ -95,3 +95,15 @@ def test_a_peer_with_max_upload_never_sends_a_round_faster_than_its_rate(tmp_pat
                 # the first 16 KiB piece of an idle link leaves at once, and control messages are not held back
                 paced = record["bytes_sent"] - 16 * 1024 - 8 * 1024
                 assert record["sync_wall_seconds"] >= paced / rate, (record["bytes_sent"], record["sync_wall_seconds"])
+
+
+def test_the_socket_queue_hint_names_the_sysctl_only_where_queues_are_unbounded(tmp_path):
+    from peer.averaging.pacing import LOWAT_BYTES, socket_queue_hint
+
+    setting = tmp_path / "tcp_notsent_lowat"
+    setting.write_text("4294967295\n")  # Linux's default: no bound
+    hint = socket_queue_hint(str(setting))
+    assert f"sysctl -w net.ipv4.tcp_notsent_lowat={LOWAT_BYTES}" in hint and "\n" not in hint
+    setting.write_text(f"{LOWAT_BYTES}\n")
+    assert socket_queue_hint(str(setting)) is None  # set already
+    assert socket_queue_hint(str(tmp_path / "absent")) is None  # not Linux

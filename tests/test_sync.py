@@ -6,6 +6,7 @@ hash, what was sent and how often, and the lineage bookkeeping. Milliseconds eac
 """
 
 import dataclasses
+import logging
 import threading
 from types import SimpleNamespace
 
@@ -99,6 +100,23 @@ def test_a_lost_member_is_retried_from_the_untouched_tensors_and_then_applies():
     first, second = peer.transport.sent[0][2], peer.transport.sent[1][2]
     assert torch.equal(first, second)  # the retry sent the same delta: the failed attempt changed nothing
     assert not torch.equal(peer.state.params, before)
+
+
+def test_a_connection_reset_tells_once_how_to_bound_the_socket_queues(tmp_path, monkeypatch, caplog):
+    from peer.averaging import pacing
+
+    setting = tmp_path / "tcp_notsent_lowat"
+    setting.write_text("4294967295\n")
+    monkeypatch.setattr(pacing, "NOTSENT_LOWAT", str(setting))
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    reset = GroupLostMember("lost reducer Qm1: ConnectionResetError(104, 'Connection reset by peer')")
+    peer.transport.scripts.extend([reset, reset, with_group(("a", theirs(peer)))])
+    with caplog.at_level(logging.WARNING, logger="peer.round.sync"):
+        assert peer.sync().applied
+    hints = [r.message for r in caplog.records if "tcp_notsent_lowat" in r.message]
+    assert len(hints) == 1  # once, not at every reset
 
 
 def test_the_first_attempt_meets_at_the_planned_end_and_a_retry_at_once():

@@ -12,7 +12,7 @@ they go ahead of the bulk, as they should.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 CHUNK_BYTES = 16 * 1024  # a bulk message is written in pieces of this size, each when it is due
 SMALL_BYTES = 4 * 1024  # messages up to this size are never held back (control, not bulk)
@@ -37,3 +37,28 @@ class Pacer:
     @classmethod
     def from_mbit(cls, mbit: float, clock: Callable[[], float] = time.monotonic) -> "Pacer":
         return cls(mbit * 1e6 / 8, clock)
+
+
+NOTSENT_LOWAT = "/proc/sys/net/ipv4/tcp_notsent_lowat"  # Linux: most unsent bytes a TCP socket queues
+LOWAT_BYTES = 16384  # what the hard row measured with (bench/results/wan.md)
+
+
+def socket_queue_hint(path: Optional[str] = None) -> Optional[str]:
+    """A line for a user whose all-reduce lost a connection to a reset, where the host lets sockets queue without
+    bound (Linux's default); None where the bound is set already, or the host has no such setting.
+
+    On a thin uplink the p2p daemon's multiplexer (go-yamux) closes a connection whose socket write waits past its
+    5-10-s deadline, and Linux wakes a blocked writer only once a third of the socket's autotuned buffer has left:
+    at 1 Mbit/s shared by three groupmates, that took longer. Bounding the unsent bytes keeps each write short:
+    whole rounds on the hard row went from 4-21 failed all-reduces a run to none (bench/results/wan.md, "What resets
+    whole rounds' connections"). Nothing in a user's process can set it for the daemon's sockets."""
+    try:
+        with open(path or NOTSENT_LOWAT) as f:
+            value = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    if value <= 4 * LOWAT_BYTES:
+        return None
+    return (f"a connection was reset mid all-reduce: on a thin uplink the p2p daemon closes a connection whose socket "
+            f"queue drains too slowly; `sudo sysctl -w net.ipv4.tcp_notsent_lowat={LOWAT_BYTES}` keeps that queue "
+            f"short (README, \"A thin or shared uplink\")")

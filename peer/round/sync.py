@@ -27,6 +27,7 @@ import torch
 from diloco_compression.feedback import ErrorFeedback
 
 from dht.errors import first_line
+from peer.averaging.pacing import socket_queue_hint
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import MATCHMAKING, Hooks
 from peer.outer.lineage import Lineage
@@ -109,6 +110,7 @@ class Synchronizer:
         self.lock, self.deadlines, self.run, self.config = lock, deadlines, run, sync
         self.has_moment, self.hooks, self.initial_peer_ids = has_moment, hooks, tuple(initial_peer_ids)
         self.step_seconds: Optional[float] = None
+        self.hinted = False  # told the user how to keep a thin uplink's socket queues short
         # how long the attempts that applied took, from their start to the outer step (a moving average; not the
         # catch-up before them, nor failed attempts); told to the group with overlap
         self.sync_seconds: Optional[float] = None
@@ -247,6 +249,11 @@ class Synchronizer:
         result.outcome, result.error = action.outcome, describe(action.outcome, attempt.detail, action.count)
         if action.outcome is Outcome.LOST_MEMBER:
             logger.warning(result.error)
+            if "ConnectionResetError" in attempt.detail and not self.hinted:
+                self.hinted = True  # once a run
+                hint = socket_queue_hint()
+                if hint:
+                    logger.warning(hint)
 
     def _act(self, action: Action, attempt: _Attempt, result: SyncResult, facts: dict) -> dict:
         """Do one action; returns the facts of the view to decide on next."""
