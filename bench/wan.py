@@ -441,6 +441,9 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-every", type=int, default=10**6,
                         help="the peers' held-out evaluation interval (default: never, see the notes)")
     parser.add_argument("--checkpoints", action="store_true", help="peers also checkpoint every round")
+    parser.add_argument("--notsent-lowat", type=int, default=0, metavar="BYTES",
+                        help="each worker's host bounds a socket's unsent bytes to this (net.ipv4.tcp_notsent_lowat; "
+                             "0: the kernel's default, no bound)")
     parser.add_argument("--out", type=Path, help="also write the table, with how it was measured, here")
     parser.add_argument("peer_args", nargs="*", help="extra flags for every peer (after --)")
     args = parser.parse_args(argv)
@@ -459,7 +462,8 @@ def main(argv=None) -> int:
     for preset in args.presets:
         for name in links:
             link = link_named(name)
-            with TestNetwork(args.peers, rate_mbit=link.rate_mbit, delay_ms=link.delay_ms) as net:
+            with TestNetwork(args.peers, rate_mbit=link.rate_mbit, delay_ms=link.delay_ms,
+                             notsent_lowat=args.notsent_lowat or None) as net:
                 for system in systems:
                     result = run_system(system, preset, link, net, args, root / preset / name / system)
                     results.append(result)

@@ -115,7 +115,7 @@ class TestNetwork:
     __test__ = False  # a helper, not a pytest test class
 
     def __init__(self, size: int, rate_mbit: float | None = None, delay_ms: float = 0.0, loss: float = 0.0,
-                 behind_nat: tuple[int, ...] = (), routable: bool = False):
+                 behind_nat: tuple[int, ...] = (), routable: bool = False, notsent_lowat: int | None = None):
         if size < 1 or size >= HOST_OCTET:
             raise ValueError(f"size must be in 1..{HOST_OCTET - 1}, got {size}")
         if rate_mbit is not None and rate_mbit <= 0:
@@ -123,6 +123,9 @@ class TestNetwork:
         if delay_ms < 0 or not 0 <= loss < 1:
             raise ValueError(f"delay_ms must be >= 0 and loss in [0, 1), got {delay_ms} and {loss}")
         self.size, self.rate_mbit, self.delay_ms, self.loss = size, rate_mbit, delay_ms, loss
+        # most unsent bytes a TCP socket queues, as a host tuned with `sysctl net.ipv4.tcp_notsent_lowat` (None: the
+        # kernel's default, no bound; peer/averaging/pacing.py: socket_queue_hint)
+        self.notsent_lowat = notsent_lowat
         self.emulated = bool(delay_ms or loss)  # TAP devices and forwarders instead of veth pairs
         self.behind_nat = frozenset(self._index(i) for i in behind_nat)
         # 11.k.0.0/24 instead of 10.k.0.0/24: addresses libp2p takes for public ones, as a relay's must be (its
@@ -286,7 +289,10 @@ class TestNetwork:
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
             # TCP windows up to 32 MB, as on hosts tuned for long fat links (a 1 Gbit/s, 100 ms path holds
             # 12.5 MB in flight; the defaults, 4-6 MB, would cap it near 300 Mbit/s)
-            for name, value in (("tcp_rmem", "4096 131072 33554432"), ("tcp_wmem", "4096 16384 33554432")):
+            tuned = [("tcp_rmem", "4096 131072 33554432"), ("tcp_wmem", "4096 16384 33554432")]
+            if self.notsent_lowat is not None:
+                tuned.append(("tcp_notsent_lowat", str(self.notsent_lowat)))
+            for name, value in tuned:
                 _run(["ip", "netns", "exec", ns, "sh", "-c", f"echo '{value}' > /proc/sys/net/ipv4/{name}"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             if self.rate_mbit is not None:

@@ -193,6 +193,19 @@ def test_a_thin_delayed_link_carries_tcp_at_its_rate_without_timeouts(procs):
         assert size * 8 / seconds / 1e6 > 0.8 * rate_mbit, f"{size * 8 / seconds / 1e6:.2f} Mbit/s"
 
 
+def test_a_host_bound_on_unsent_bytes_is_set_in_every_namespace_and_nowhere_else():
+    """``notsent_lowat``: the hard row's hosts tuned as ``socket_queue_hint`` tells a user (bench/results/wan.md)."""
+    path = "/proc/sys/net/ipv4/tcp_notsent_lowat"
+    with open(path) as f:
+        host = f.read()
+    with TestNetwork(2, notsent_lowat=16384) as network:
+        for i in range(2):
+            assert subprocess.run(network.wrap(i, ["cat", path]), capture_output=True, text=True,
+                                  check=True).stdout.strip() == "16384"
+    with open(path) as f:
+        assert f.read() == host
+
+
 # connects N times in a row; prints the fastest handshake (one round trip) in seconds
 HANDSHAKE = """
 import socket, sys, time
