@@ -11,4 +11,5 @@
 - ``results.py``    a cross-group round's result, served by its delegates to their groupmates
 - ``striping.py``   one download from many donors at once, a donor that fails dropped (both downloads above)
 - ``pacing.py``     the process's bulk sends spaced below ``--max-upload``, so control messages never queue behind
+                    a round; and what to tell a user whose host lets sockets queue without bound
 """

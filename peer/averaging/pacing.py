@@ -7,6 +7,9 @@ the averager process's bulk sends (all-reduce parts, round results, state downlo
 no faster than the rate: a send waits until the bytes reserved before it have drained at that rate, so the queues
 below stay short. Small messages (matchmaking, a result's status) are counted against the rate but never wait:
 they go ahead of the bulk, as they should.
+
+The queue below the p2p daemon is the host's: ``socket_queue_hint`` says how to bound it, for a peer whose all-reduce
+lost a connection to a reset.
 """
 
 from __future__ import annotations
