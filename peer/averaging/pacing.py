@@ -53,8 +53,8 @@ def socket_queue_hint(path: Optional[str] = None) -> Optional[str]:
     On a thin uplink the p2p daemon's multiplexer (go-yamux) closes a connection whose socket write waits past its
     5-10-s deadline, and Linux wakes a blocked writer only once a third of the socket's autotuned buffer has left:
     at 1 Mbit/s shared by three groupmates, that took longer. Bounding the unsent bytes keeps each write short:
-    whole rounds on the hard row went from 4-21 failed all-reduces a run to none (bench/results/wan.md, "What resets
-    whole rounds' connections"). Nothing in a user's process can set it for the daemon's sockets."""
+    whole rounds on the hard row went from 4-21 failed all-reduces a run to none in two runs (bench/results/wan.md,
+    "What resets whole rounds' connections"). Nothing in a user's process can set it for the daemon's sockets."""
     try:
         with open(path or NOTSENT_LOWAT) as f:
             value = int(f.read().split()[0])
