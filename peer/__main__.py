@@ -22,6 +22,7 @@ from dht.errors import UserError
 from dht.node import DHTConfig
 from peer import config_file
 from peer.config import NodeConfig, RunConfig, SyncConfig
+from peer.ops.orphans import quiet_orphaned_tasks
 from peer.ops.report import fail
 
 COMMANDS = dict(status="peer.ops.status", plot="peer.ops.plot", export="peer.use.export",
@@ -59,6 +60,8 @@ def setup_logging(verbose: bool) -> None:
     logging.getLogger("hivemind").setLevel(logging.INFO if verbose else logging.CRITICAL)
     if verbose:
         logging.getLogger("peer").setLevel(logging.DEBUG)
+    else:
+        quiet_orphaned_tasks()
 
 
 def main(argv: Optional[Sequence[str]] = None, hooks=None) -> int:

@@ -2,6 +2,7 @@
 
 - ``checkpoint.py``  atomic checkpoints
 - ``report.py``      progress bar, round summary, metrics JSON lines
+- ``orphans.py``     asyncio's records of hivemind's stream tasks collected after a failed all-reduce, kept quiet
 - ``trackers.py``    TensorBoard and Weights & Biases
 - ``status.py``      ``python -m peer status``: the swarm's peers, epochs, losses and forks
 - ``dashboard.py``   ``status --serve`` and ``--dashboard``: the same snapshot as a page that refreshes itself

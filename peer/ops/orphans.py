@@ -1,0 +1,43 @@
+"""hivemind's orphaned p2p tasks: what asyncio says when it collects them, kept off a user's terminal.
+
+When an all-reduce fails (a member lost, a connection reset), hivemind abandons the tasks that served its streams:
+the p2p client's connection handlers (``ControlClient._handler``) and the feeders of its async generators
+(``amap_in_executor``). Nothing references them any more, so the garbage collector destroys them while they still
+wait, and asyncio logs each one at ERROR:
+
+    ERROR asyncio: Task was destroyed but it is pending!
+    task: <Task pending name='Task-2433' coro=<ControlClient._handler() running at .../hivemind/p2p/...>
+    ERROR asyncio: Unhandled exception in client_connected_cb
+    RuntimeError: cannot reuse already awaited coroutine
+
+They come after the failure, which our own line already names ("all-reduce failed (lost reducer ...)"), and they
+change nothing: the round is retried either way. So a peer drops exactly these two records unless it runs
+``--verbose``; every other asyncio error still shows.
+"""
+
+import logging
+
+DESTROYED_PENDING = "Task was destroyed but it is pending!"
+CONNECTED_CALLBACK = "Unhandled exception in client_connected_cb"
+REUSED_COROUTINE = "cannot reuse already awaited coroutine"
+
+
+class OrphanedTaskNoise(logging.Filter):
+    """Drops asyncio's records of hivemind's own tasks, destroyed pending, and of its p2p handler's reused
+    coroutine; lets every other record through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(DESTROYED_PENDING):
+            return "/hivemind/" not in message
+        if message.startswith(CONNECTED_CALLBACK) and record.exc_info:
+            error = record.exc_info[1]
+            return not (isinstance(error, RuntimeError) and REUSED_COROUTINE in str(error))
+        return True
+
+
+def quiet_orphaned_tasks() -> None:
+    """Install the filter on asyncio's logger, once; processes forked after this (hivemind's averager) keep it."""
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, OrphanedTaskNoise) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(OrphanedTaskNoise())

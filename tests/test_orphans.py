@@ -1,0 +1,90 @@
+"""asyncio's records of hivemind's tasks collected pending stay off a user's terminal; every other one shows."""
+
+import asyncio
+import gc
+import logging
+
+import pytest
+from hivemind.utils.asyncio import asingle
+
+from peer.ops.orphans import (
+    CONNECTED_CALLBACK,
+    DESTROYED_PENDING,
+    REUSED_COROUTINE,
+    OrphanedTaskNoise,
+    quiet_orphaned_tasks,
+)
+
+
+@pytest.fixture
+def quiet():
+    asyncio_logger = logging.getLogger("asyncio")
+    quiet_orphaned_tasks()
+    quiet_orphaned_tasks()
+    yield [f for f in asyncio_logger.filters if isinstance(f, OrphanedTaskNoise)]
+    for f in list(asyncio_logger.filters):
+        if isinstance(f, OrphanedTaskNoise):
+            asyncio_logger.removeFilter(f)
+
+
+async def stalled():
+    """An async iterator that waits on a future nobody else holds: its waiter is garbage once abandoned."""
+    await asyncio.get_running_loop().create_future()
+    yield None
+
+
+async def our_own_wait():
+    async for _ in stalled():
+        pass
+
+
+def orphan_and_collect(make_coroutine) -> None:
+    """Start a task, let it reach its wait, drop every reference to it and collect it, as hivemind's abandoned
+    stream tasks are after a failed all-reduce."""
+    loop = asyncio.new_event_loop()
+    try:
+        async def start():
+            loop.create_task(make_coroutine())
+            await asyncio.sleep(0)  # one turn of the loop: the task runs to its wait
+
+        loop.run_until_complete(start())
+    finally:
+        loop.close()
+    gc.collect()
+
+
+def asyncio_errors(caplog):
+    return [r.getMessage() for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
+
+
+def test_a_hivemind_task_collected_pending_is_kept_quiet_and_our_own_is_not(quiet, caplog):
+    assert len(quiet) == 1, "installing twice installs one filter"
+    with caplog.at_level(logging.DEBUG):
+        orphan_and_collect(lambda: asingle(stalled()))
+        assert asyncio_errors(caplog) == []
+
+        orphan_and_collect(our_own_wait)
+    errors = asyncio_errors(caplog)
+    assert len(errors) == 1 and errors[0].startswith(DESTROYED_PENDING) and "our_own_wait" in errors[0]
+
+
+def test_the_p2p_handlers_reused_coroutine_is_kept_quiet_and_any_other_callback_error_is_not(quiet, caplog):
+    loop = asyncio.new_event_loop()
+    try:
+        with caplog.at_level(logging.DEBUG):
+            loop.call_exception_handler(dict(message=CONNECTED_CALLBACK, exception=RuntimeError(REUSED_COROUTINE)))
+            assert asyncio_errors(caplog) == []
+
+            loop.call_exception_handler(dict(message=CONNECTED_CALLBACK, exception=ValueError("bad frame")))
+    finally:
+        loop.close()
+    errors = asyncio_errors(caplog)
+    assert len(errors) == 1 and errors[0].startswith(CONNECTED_CALLBACK)
+
+
+def test_without_the_filter_asyncio_reports_the_hivemind_task(caplog):
+    """The condition the filter names is real: asyncio does log hivemind's task, destroyed pending."""
+    with caplog.at_level(logging.DEBUG):
+        orphan_and_collect(lambda: asingle(stalled()))
+    errors = asyncio_errors(caplog)
+    assert len(errors) == 1 and errors[0].startswith(DESTROYED_PENDING) and "/hivemind/" in errors[0]
