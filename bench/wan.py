@@ -20,6 +20,9 @@ turn, each with a fresh bootstrap node (``tests.harness.swarm.Swarm``) and 4 fre
 - any ``--variant NAME='FLAGS'``: ``python -m peer`` with those flags on top of the others (``--fragments 4
   --overlap``, say); a variant whose flags hold ``--overlap`` is measured as overlapped.
 
+With ``--join-late`` the last worker starts only once every other has finished its first round, as a volunteer
+joins a swarm mid-run: the notes then say how many rounds each worker applied.
+
 Links are the named ones in ``LINKS``, or any ``RATEmbit-RTTms`` (``20mbit-100ms``: 20 Mbit/s each way, 50 ms one way).
 
 Rounds are ``--round-seconds`` of compute (``--round-seconds`` for the peers; for hivemind, a target batch of
@@ -135,9 +138,10 @@ def pace_of(args, preset: str) -> float:
     return args.min_step_seconds or PACE.get(preset, 4.0)
 
 
-def start_workers(swarm: Swarm, net: TestNetwork, system: str, preset: str, args, log_dir: Path) -> List[Proc]:
+def start_workers(swarm: Swarm, net: TestNetwork, system: str, preset: str, args, log_dir: Path,
+                  indices: range) -> List[Proc]:
     workers = []
-    for i in range(args.peers):
+    for i in indices:
         host = f"/ip4/{net.ip(i)}/tcp/0"
         wrap = (lambda i: lambda argv: net.wrap(i, argv))(i)
         if system.startswith("hivemind"):
@@ -212,9 +216,10 @@ def run_system(system: str, preset: str, link: Link, net: TestNetwork, args, log
     meter = LinkMeter(net)
     problems: List[str] = []
     started = time.monotonic()
-    deadline = started + STARTUP_SECONDS + (args.rounds + 2) * (args.round_seconds + 90)
+    first = args.peers - 1 if args.join_late else args.peers  # the others, then the late joiner
+    deadline = started + STARTUP_SECONDS + (args.rounds + 2 + args.join_late) * (args.round_seconds + 90)
     try:
-        workers = start_workers(swarm, net, system, preset, args, log_dir)
+        workers = start_workers(swarm, net, system, preset, args, log_dir, range(first))
         records, looked = [], 0.0
         while True:
             meter.sample()
@@ -223,7 +228,10 @@ def run_system(system: str, preset: str, link: Link, net: TestNetwork, args, log
                 continue
             looked = time.monotonic()
             records = [read_metrics(w.metrics_path) for w in workers]
-            if all(len(rows) >= need for rows in records):
+            if len(workers) < args.peers and all(records):  # every other worker finished its first round
+                workers += start_workers(swarm, net, system, preset, args, log_dir, range(first, args.peers))
+                continue
+            if len(workers) == args.peers and all(len(rows) >= need for rows in records):
                 break
             dead = [f"{w.name} exited (rc={w.popen.returncode}): {tail(w.stderr)}" for w in workers if not w.alive()]
             if dead or time.monotonic() > deadline:
@@ -318,6 +326,7 @@ def agreement(records: List[List[dict]]) -> dict:
         agreed=not split, split=split, forks=forks, epochs=len(by_epoch),
         unapplied=[r.get("error") or "no group" for r in everything if not r["applied"]],
         retried=sum(1 for r in everything if (r.get("attempts") or 0) > 1),
+        applied_each=[f"{sum(r['applied'] for r in rows)}/{len(rows)}" for rows in records],
         group_sizes=sorted({r["group_size"] for r in everything}),
     )
 
@@ -367,7 +376,8 @@ def notes(results: List[dict]) -> str:
         if r.get("measured") and not r["system"].startswith("hivemind"):
             why = "; ".join(f"{r['unapplied'].count(e)}x {e}" for e in sorted(set(r["unapplied"])))
             bits.append(f"epochs {r['epochs']}, group sizes {r['group_sizes']}, retried all-reduces {r['retried']}, "
-                        f"rounds not applied {len(r['unapplied'])}" + (f" ({why})" if why else ""))
+                        f"rounds not applied {len(r['unapplied'])}" + (f" ({why})" if why else "")
+                        + f", rounds applied by each worker {', '.join(r['applied_each'])}")
         elif r.get("measured"):
             bits.append(f"averaging rounds in the window {r['averaged']} (group sizes {r['group_sizes']}), "
                         f"failed {r['failures']}")
@@ -444,6 +454,9 @@ def main(argv=None) -> int:
     parser.add_argument("--notsent-lowat", type=int, default=0, metavar="BYTES",
                         help="each worker's host bounds a socket's unsent bytes to this (net.ipv4.tcp_notsent_lowat; "
                              "0: the kernel's default, no bound)")
+    parser.add_argument("--join-late", action="store_true",
+                        help="the last worker starts once every other has finished its first round: a volunteer "
+                             "joining a swarm mid-run")
     parser.add_argument("--out", type=Path, help="also write the table, with how it was measured, here")
     parser.add_argument("peer_args", nargs="*", help="extra flags for every peer (after --)")
     args = parser.parse_args(argv)
