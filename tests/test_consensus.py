@@ -8,6 +8,7 @@ from peer.swarm.consensus import (
     MAX_MISSED,
     SILENCE_SLACK,
     awaiting_state,
+    catching_up,
     choose_state,
     joining,
     majority_elsewhere,
@@ -21,7 +22,7 @@ from peer.swarm.consensus import (
 )
 from peer.swarm.metadata import Contribution
 from peer.swarm.records import RecordCache
-from peer.swarm.timing import MAX_STRETCH, SYNC_HEADROOM, next_round, round_target
+from peer.swarm.timing import LATE_HEADROOM, MAX_STRETCH, SYNC_HEADROOM, next_round, round_target
 
 
 def record(peer, epoch, state_hash, tokens, manifest="m", status="training", next_sync_at=None):
@@ -71,6 +72,31 @@ def test_the_next_round_outlasts_the_members_syncs_within_a_bound():
     assert seconds == SYNC_HEADROOM * 60.0 and stretch == seconds / 50.0  # the median sync, with headroom
     assert next_round(group(900.0), round_seconds=30.0, inner_steps=100) == (MAX_STRETCH * 30.0, MAX_STRETCH)
     assert next_round(group(60.0, pace=None), round_seconds=0, inner_steps=100) == (None, 1.0)  # no pace known
+
+
+def test_while_a_peer_catches_up_the_next_round_also_leaves_it_a_sync_to_replay_the_result():
+    def group(*lates, syncs=(14.0, 17.0, 20.0)):
+        return {f"p{i}": Contribution(epoch=5, hash="aa", tokens=1, step_seconds=1.0, sync_seconds=s, late=late)
+                for i, (s, late) in enumerate(zip(syncs, lates))}
+    assert next_round(group(0, 0, 0), round_seconds=15.0, inner_steps=15) == (SYNC_HEADROOM * 17.0,
+                                                                               SYNC_HEADROOM * 17.0 / 15.0)
+    seconds, stretch = next_round(group(0, 1, 0), round_seconds=15.0, inner_steps=15)  # one member sees one
+    assert seconds == LATE_HEADROOM * 17.0 and stretch == seconds / 15.0
+    # a link fast enough that a round already leaves that time: nothing changes
+    assert next_round(group(1, 1, 1, syncs=(5.0, 6.0, 7.0)), round_seconds=60.0, inner_steps=60) == (60.0, 1.0)
+    assert next_round(group(1, 1, 1, syncs=(100.0,) * 3), round_seconds=15.0, inner_steps=15) == \
+        (MAX_STRETCH * 15.0, MAX_STRETCH)  # still within the bound
+    wire = Contribution.from_wire(group(2)["p0"].to_wire())
+    assert wire.late == 2 and Contribution.from_wire({"epoch": 5, "hash": "aa", "tokens": 1}).late == 0
+
+
+def test_catching_up_are_live_peers_an_epoch_or_two_behind_that_did_not_produce_our_state():
+    mine = record("me", 7, "aa", 10)
+    others = [record("missed", 6, "bb", 9, next_sync_at=100.0), record("groupmate", 6, "bb", 9, next_sync_at=100.0),
+              record("two", 5, "cc", 8), record("far", 2, "dd", 5), record("dead", 6, "bb", 9, next_sync_at=50.0),
+              record("ahead", 8, "ee", 11), record("holder", 7, "aa", 10)]
+    late = catching_up(others, mine, now=100.0, producers=["groupmate", "holder"])
+    assert sorted(r.peer_id for r in late) == ["missed", "two"]  # "far" downloads the state; "dead" is silent
 
 
 def test_a_peer_silent_long_past_its_planned_sync_is_not_waited_for():

@@ -21,7 +21,7 @@ from peer.round.schedule import RoundClock
 from peer.swarm.consensus import MAX_MISSED, SYNCING, responsive
 from peer.swarm.failures import DelegateLost, GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.metadata import Contribution
-from peer.swarm.timing import MAX_STRETCH, SYNC_HEADROOM
+from peer.swarm.timing import LATE_HEADROOM, MAX_STRETCH, SYNC_HEADROOM
 from tests.harness.fake import FakeClock, FakePeer, across, record, with_group
 
 
@@ -181,6 +181,28 @@ def test_with_overlap_the_next_round_counts_from_the_agreed_end_or_from_a_late_s
     assert round_clock.agreed_end == 1100.0  # a whole round from then, not 20 s of one
 
 
+@pytest.mark.parametrize("someone_late", [False, True])
+def test_with_overlap_a_peer_catching_up_is_told_to_the_group_whose_next_round_leaves_it_time_to_replay(
+        someone_late):
+    """With overlap a group's state is the result of an all-reduce that ends as the group meets again, so a peer that
+    missed one group could replay that result only after the next group had met: on a link whose syncs fill a
+    round, a peer missed 18 groups in a row that way, one epoch behind (bench/results/wan.md, the hard row)."""
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    epoch = peer.state.epoch
+    peer.state.merged = {"a": epoch - 1, "b": epoch - 1, "me": epoch - 1}  # the group that produced our state
+    peer.transport.peers["b"] = record("b", epoch - 1, "older", 900)  # a producer, its record not yet republished
+    if someone_late:
+        peer.transport.peers["late"] = record("late", epoch - 1, "older", 900, next_sync_at=peer.clock.now + 30.0)
+    planned = peer.run.round_steps * 1.0  # H steps at the members' pace of 1 s
+    peer.synchronizer.sync_seconds = planned / 1.5  # syncs fill two thirds of a round: it needs no stretch
+    peer.transport.scripts.append(with_group(("a", theirs(peer, step_seconds=1.0, sync_seconds=planned / 1.5))))
+    result = peer.sync(tokens=100, step_seconds=1.0, overlapped=True)
+    assert result.applied and peer.transport.sent[0][0].late == someone_late
+    assert result.next_round_seconds == (LATE_HEADROOM * planned / 1.5 if someone_late else planned)
+
+
 def test_with_overlap_a_sync_that_is_over_publishes_the_plan_of_the_round_in_progress():
     """Our record said "syncing" until the end of the round the sync overlapped: a peer that adopted our state took
     us for a group waiting for it and ended its round at once, to meet nobody (bench/scale.py's 16 peers in groups
@@ -241,6 +263,46 @@ def test_a_round_lined_up_from_the_records_skips_the_plans_of_the_round_just_end
     round_clock.target = None  # our first round (or one after a catch-up): the swarm's round is ours to join
     round_clock.begin()
     assert round_clock.target == 1001.0 and plans[-1] == 1001.0
+
+
+def test_a_peer_lined_up_with_holders_in_a_sync_replays_its_result_as_soon_as_it_ends():
+    """With overlap, holders in a sync meet next with its result. A peer that had missed their group and lined up with
+    them sat on the state it caught up to until its round ended, then met them one epoch behind, replayed, and missed
+    that group too: 18 rounds in a row on the hard row's 1 Mbit/s (bench/results/wan.md)."""
+    clock = FakeClock()
+    mine = record("me", 4, "s", 100)
+    records = {name: record(name, 4, "s", 100, next_sync_at=1030.0, status=SYNCING, busy_until=1015.0)
+               for name in ("a", "b")}
+    looks, adopt = [], []
+
+    def catch_up(timeout):
+        looks.append(clock.now)
+        return SimpleNamespace(adopted=bool(adopt))
+
+    catchup = SimpleNamespace(catch_up=catch_up, holders_syncing=lambda: False)
+    round_clock = RoundClock(RunConfig(align_every=0).resolved(), catchup, SimpleNamespace(records=records),
+                             SimpleNamespace(record=lambda: mine), threading.Event(), clock, lambda _: None)
+    round_clock.realign()  # our sync missed their group and caught up
+    round_clock.watch()
+    assert round_clock.target == 1030.0 and round_clock.aligned and round_clock.following
+    clock.sleep(1.0)
+    round_clock.watch()  # their sync still runs: looked again, nothing new
+    assert looks == [1000.0, 1001.0] and round_clock.following
+    clock.sleep(14.0)
+    adopt.append(True)  # their sync ended with the next state: replayed at once, mid-round
+    round_clock.watch()
+    assert round_clock.rebased and not round_clock.following and round_clock.target == 1030.0
+    clock.sleep(1.0)
+    round_clock.watch()
+    assert looks == [1000.0, 1001.0, 1015.0]  # then lined up as anyone: no more looks this round
+
+    records.update({name: record(name, 4, "s", 100, next_sync_at=1050.0) for name in records})  # training holders:
+    round_clock.realign()
+    adopt.clear()
+    round_clock.watch()
+    clock.sleep(1.0)
+    round_clock.watch()
+    assert round_clock.aligned and not round_clock.following and looks[-1] == 1016.0  # lined up with, left alone
 
 
 def test_a_stretch_holds_until_the_group_agrees_again_and_is_told_once_each_way():

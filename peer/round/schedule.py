@@ -24,7 +24,7 @@ from peer.config import RunConfig
 from peer.round.announce import Announcer
 from peer.round.catchup import StateCatchUp
 from peer.swarm.clock import Clock
-from peer.swarm.consensus import peers_with_state
+from peer.swarm.consensus import peers_with_state, syncing_now
 from peer.swarm.records import RecordCache
 from peer.swarm.timing import round_target
 
@@ -44,6 +44,7 @@ class RoundClock:
         self.began = 0.0  # monotonic time the current inner phase began
         self.target: Optional[float] = None  # the same in DHT time (what we tell our group with overlap)
         self.aligned = False
+        self.following = False  # lined up with holders that were syncing: their next state is to be replayed
         self.rebased = False
         self._last_watch = 0.0
         self.sync_in_flight: Callable[[], bool] = lambda: False  # overlap: a sync runs in the background
@@ -58,7 +59,7 @@ class RoundClock:
         now = self.clock.dht_time()
         target = self.agreed_end if self.agreed_end and self.agreed_end > now and not self.rebased else None
         self.agreed_end = None
-        self.aligned = target is not None
+        self.aligned, self.following = target is not None, False
         if target is None:
             # a plan that ends with the round we just ended (within a grace window) is that round's, by a peer that
             # has not begun its next one: lined up with, it made our next round one step long (with overlap, after
@@ -85,15 +86,17 @@ class RoundClock:
 
     def watch(self) -> None:
         """Called between inner steps: an unaligned peer looks for the swarm's schedule and catches up; so does an
-        aligned one once a peer gone silent answers a ping (a healed partition: the other side's state may win)."""
+        aligned one once a peer gone silent answers a ping (a healed partition: the other side's state may win), and
+        one that lined up with holders in a sync (``following``): it catches up as soon as their sync ends, so that
+        it meets them next with the state they will average from."""
         news = self.answered
-        if (self.aligned and not news.is_set()) or self.sync_in_flight() or \
+        if (self.aligned and not self.following and not news.is_set()) or self.sync_in_flight() or \
                 self.clock.monotonic() - self._last_watch < WATCH_INTERVAL:
             return
         self._last_watch = self.clock.monotonic()
         news.clear()
         if self.catchup.catch_up(timeout=60.0).adopted:
-            self.rebased = True
+            self.rebased, self.following = True, False
             if self.catchup.holders_syncing():
                 # they may be waiting for us: end the round now and join them. Our published plan stays as it
                 # was: a plan of "now" would draw others' rounds (the median of plans) short too
@@ -102,13 +105,18 @@ class RoundClock:
                 self._set_deadline(now, now)
                 return
         elif self.aligned:  # our state still wins: our group's plan stands
+            now, mine = self.clock.dht_time(), self.announcer.record()
+            # their sync ended without a new state (or they are gone): nothing more to follow this round
+            self.following = self.following and bool(syncing_now(self.cache.records.values(), mine, now))
             return
         now = self.clock.dht_time()
         records, mine = self.cache.records.values(), self.announcer.record()
         others = [r for r in peers_with_state(records, mine, now) if r.next_sync_at and r.next_sync_at > now]
         if others:
             target = round_target(records, mine, None, now)
-            self.aligned = True
+            # with overlap, holders in a sync will hold its result when they meet next: a peer that missed their
+            # group replays it then, or it meets them one epoch behind, round after round (the hard row)
+            self.aligned, self.following = True, bool(syncing_now(records, mine, now))
             self.publish(target)
             self._set_deadline(target, now)
 

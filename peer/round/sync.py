@@ -38,7 +38,7 @@ from peer.round.cross import Crossing
 from peer.round.decide import Action, Do, Outcome, Phase, View, classify, decide, describe
 from peer.round.outer import OuterStep
 from peer.swarm.clock import Clock
-from peer.swarm.consensus import SYNCING, holds_state, peers_ahead, responsive
+from peer.swarm.consensus import SYNCING, catching_up, holds_state, peers_ahead, responsive
 from peer.swarm.deadlines import Deadlines
 from peer.swarm.metadata import Averaged, Contribution
 from peer.swarm.records import RecordCache
@@ -326,9 +326,11 @@ class Synchronizer:
     def _contribution(self, action: Action, attempt: _Attempt) -> Contribution:
         """What we tell our group (``swarm/metadata.py``); our weight: our tokens, discounted when stale."""
         mine = self.announcer.record()
+        late = catching_up(self.cache.records.values(), mine, self.clock.dht_time(), self.producers())
         return Contribution(epoch=mine.epoch, hash=mine.state_hash, tokens=attempt.tokens, align=attempt.align,
                             step_seconds=self.step_seconds, missed=self.stuck, voters=action.voters,
                             sync_seconds=self.sync_seconds if attempt.overlapped else None,
+                            late=len(late) if attempt.overlapped else 0,
                             weight=attempt.tokens * self.run.stale_discount ** attempt.missed_rounds,
                             groups=action.groups, client=self.announcer.identity.client_mode)
 

@@ -23,6 +23,7 @@ SILENCE_SLACK = 10.0  # seconds past its planned sync a peer may stay silent bef
 MAX_MISSED = 3  # rounds in a row stuck at one state before a peer applies without a majority (alone, at quorum 1)
 LEAVING = "leaving"  # a record status: the peer is about to leave and only serves its state meanwhile
 SYNCING = "syncing"  # a record status: the peer is in a sync (matchmaking or all-reduce) until its busy_until
+LATE_EPOCHS = 2  # a peer this many epochs behind, or fewer, is catching up by replay, not lost
 
 
 def responsive(record: PeerRecord, now: float) -> bool:
@@ -155,6 +156,18 @@ def producers_behind(records: Iterable[PeerRecord], mine: PeerRecord, now: Optio
     now = get_dht_time() if now is None else now
     producers = set(producers)
     return [r for r in peers_behind(records, mine, now) if r.peer_id in producers]
+
+
+def catching_up(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None,
+                producers: Iterable[str] = ()) -> List[PeerRecord]:
+    """Other active, responsive peers at most ``LATE_EPOCHS`` behind our state that did not produce it: they missed
+    a group and replay the rounds since (``round/catchup.py``). With overlap they cannot meet the next group: its
+    state is the result of an all-reduce that ends as that group meets, and they receive it only by replaying it
+    after (``timing.next_round`` leaves them the time)."""
+    now = get_dht_time() if now is None else now
+    producers = set(producers)
+    return [r for r in peers_behind(records, mine, now)
+            if r.epoch >= mine.epoch - LATE_EPOCHS and r.peer_id not in producers]
 
 
 def peers_ahead(records: Iterable[PeerRecord], mine: PeerRecord, now: Optional[float] = None) -> List[PeerRecord]:

@@ -32,6 +32,7 @@ class Contribution:
     groups: int = 1  # how many groups its sender expects the round to have (1: one group of all; ``swarm/grouping``)
     client: bool = False  # its sender accepts no connections: it cannot serve the round's result as a delegate
     sync_seconds: Optional[float] = None  # overlap: how long its recent syncs took (the next round lasts longer)
+    late: int = 0  # overlap: live peers it sees catching up to our state (``consensus.catching_up``)
 
     def to_wire(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -47,14 +48,14 @@ class Contribution:
                                missed=value.get("missed", 0), voters=value.get("voters", 1),
                                planned_end=value.get("planned_end"), weight=value.get("weight", 0.0),
                                groups=value.get("groups", 1), client=value.get("client", False),
-                               sync_seconds=value.get("sync_seconds"))
+                               sync_seconds=value.get("sync_seconds"), late=value.get("late", 0))
         except KeyError as e:
             raise ValueError(f"group metadata lacks {e.args[0]!r}") from None
         contribution.check()
         return contribution
 
     def check(self) -> None:
-        for name in ("epoch", "tokens", "missed", "voters", "groups"):
+        for name in ("epoch", "tokens", "missed", "voters", "groups", "late"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"group metadata {name} must be a non-negative integer, got {value!r}")

@@ -5,7 +5,9 @@
   of the round already in progress (``round_end``: the median of the members' plans).
 - With overlap a round's sync runs during the next round. A link that needs longer for a sync than a round lasts
   would make every sync end later than the last, the rounds after it shorter, until the swarm splits; so the
-  group stretches its rounds (more inner steps) to outlast its syncs, up to ``MAX_STRETCH`` times.
+  group stretches its rounds (more inner steps) to outlast its syncs, up to ``MAX_STRETCH`` times. A peer that
+  missed a group can meet the next only if it has replayed the last round's result by then, which that stretch
+  leaves no time for: while one catches up, the rounds outlast the syncs by one more sync.
 - A peer without that agreement (a joiner, one that caught up) lines up with the plans that the peers holding
   its state published in their records (``round_target``).
 """
@@ -22,6 +24,9 @@ from peer.swarm.metadata import Gathered
 CROSS_WINDOW = 2  # the cross-group phase's matchmaking window, in grace windows
 
 SYNC_HEADROOM = 1.15  # a stretched round outlasts the members' median sync by this factor
+# with a peer catching up, by one more sync: its replay of the round's result (one payload from several donors,
+# where a member of 4 sends 1.5 in its all-reduce) fits in it, and it meets the group after
+LATE_HEADROOM = SYNC_HEADROOM + 1.0
 GRACE_SHARE = 0.25  # the matchmaking window is at least this share of a peer's recent syncs
 MAX_STRETCH = 4.0  # at most this many times a round's planned length (beyond: the link is too thin for the run)
 
@@ -37,13 +42,16 @@ def next_round(gathered: Gathered, round_seconds: float, inner_steps: int) -> Tu
     """The group's agreed length of its next inner phase, and its stretch (that length over the planned one). The
     planned length is ``round_seconds`` if the run fixes one, else H steps at the median member's pace; None if no
     member knows its pace yet. With overlap the members also tell how long their recent syncs took: a round lasts
-    ``SYNC_HEADROOM`` times their median, if that is longer, so that the next sync finishes inside it."""
+    ``SYNC_HEADROOM`` times their median, if that is longer, so that the next sync finishes inside it; and
+    ``LATE_HEADROOM`` times, if a member sees a peer catching up (``Contribution.late``), so that the peer also
+    has time to replay the round's result before the group meets again."""
     paces = [c.step_seconds for c in gathered.values() if c.step_seconds is not None and c.step_seconds > 0]
     planned = round_seconds or (inner_steps * statistics.median(paces) if paces else None)
     syncs = [c.sync_seconds for c in gathered.values() if c.sync_seconds is not None and c.sync_seconds > 0]
     if planned is None or not syncs:
         return planned, 1.0
-    seconds = min(MAX_STRETCH * planned, max(planned, SYNC_HEADROOM * statistics.median(syncs)))
+    headroom = LATE_HEADROOM if any(c.late for c in gathered.values()) else SYNC_HEADROOM
+    seconds = min(MAX_STRETCH * planned, max(planned, headroom * statistics.median(syncs)))
     return seconds, seconds / planned
 
 
