@@ -30,7 +30,7 @@ import hivemind
 import torch
 from hivemind.compression import Float16Compression
 
-from dht.node import DHTConfig, start_dht
+from dht.node import DHTConfig, fork_children, start_dht
 from peer.config import RunConfig
 from peer.train.data import load_corpus
 from peer.train.inner import mean_loss
@@ -111,6 +111,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    fork_children()
     torch.set_num_threads(args.threads)
     run = RunConfig(model=args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed, lr=args.lr,
                     warmup_steps=args.warmup_steps, lr_decay_steps=args.lr_decay_steps,

@@ -8,6 +8,7 @@ import ctypes
 import dataclasses
 import functools
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -34,6 +35,14 @@ logger = logging.getLogger(__name__)
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 EMPTY_TABLE = "failed to find any peer in table"  # p2pd's answer to a lookup before its routing table has a peer
 IDENTITY_CHECK_SECONDS = 10.0  # how long an identity check may wait for its probe's routing table to fill
+
+
+def fork_children() -> None:
+    """Start hivemind's processes (the DHT, the averager) by fork, the start method hivemind is built on: a child
+    inherits its parent's objects (closures, shared tensors, the running DHT), which forkserver, Python 3.14's
+    default on Linux, and spawn would have to pickle, and cannot. Call it once, at a program's start."""
+    if "fork" in multiprocessing.get_all_start_methods():
+        multiprocessing.set_start_method("fork", force=True)
 
 
 @dataclass(frozen=True)

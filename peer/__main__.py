@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from dht.cli import Parser, add_arguments, explicit_values
 from dht.errors import UserError
-from dht.node import DHTConfig
+from dht.node import DHTConfig, fork_children
 from peer import config_file
 from peer.config import NodeConfig, RunConfig, SyncConfig
 from peer.ops.orphans import quiet_orphaned_tasks
@@ -75,6 +75,7 @@ def main(argv: Optional[Sequence[str]] = None, hooks=None) -> int:
     except (UserError, ValueError) as e:
         return fail(str(e))
     setup_logging(node.verbose)
+    fork_children()
     from peer.hooks import Hooks  # these import torch and hivemind: after the flags are known to be fine
     from peer.round.build import build_parts
     from peer.round.node import Peer

@@ -274,3 +274,18 @@ def test_a_swarm_larger_than_its_group_size_meets_in_groups_and_ends_each_round_
     for epoch, records in by_epoch(peers).items():
         assert len({r["state_hash"] for r in records.values()}) == 1, f"epoch {epoch} holds two states"
     assert_loss_fell(peers)
+
+
+def test_peers_train_together_where_forkserver_is_the_default_start_method(swarm):
+    """Python 3.14 makes forkserver multiprocessing's default on Linux; it pickles a child process instead of
+    forking it, and hivemind's averager (our parts' closures, the running DHT) cannot be pickled: the peer died at
+    start with a traceback. Two peers started that way, overlap on as by default, must train together."""
+    peers = [swarm.peer(f"p{i}", "--overlap", start_method="forkserver") for i in range(2)]
+
+    def paired(metrics):
+        return sum(r["applied"] and r["group_size"] == 2 for r in metrics) >= 2
+
+    wait_until(lambda: all(peer.reached(paired) for peer in peers), 180, "both peers to apply 2 rounds together")
+    assert_all_leave(peers, 60)
+    assert assert_groups_agree(peers) >= 2 * 2
+    assert all("Traceback" not in peer.stderr for peer in peers), peers[0].stderr[-3000:]

@@ -2,14 +2,16 @@
 
     python -m tests.harness --fault-plan kill@send:3 [PEER FLAGS...]
     python -m tests.harness --byzantine scale:1000 [PEER FLAGS...]
+    python -m tests.harness --start-method forkserver [PEER FLAGS...]   # Python 3.14's default on Linux
 
-Everything but these two flags goes to ``peer.__main__.main`` unchanged; the peer runs as it would under
+Everything but these flags goes to ``peer.__main__.main`` unchanged; the peer runs as it would under
 ``python -m peer``, with ``HarnessHooks`` in place of the product's no-op hooks.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 from typing import Optional, Sequence
 
@@ -37,7 +39,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.harness", description=__doc__.split("\n\n")[0])
     parser.add_argument("--fault-plan", help="e.g. kill@send:3 or freeze@inner:2+5 (tests/harness/faults.py)")
     parser.add_argument("--byzantine", help="'nan' or 'scale:FACTOR' (tests/harness/misbehaviour.py)")
+    parser.add_argument("--start-method", help="set multiprocessing's start method before the peer starts")
     args, peer_argv = parser.parse_known_args(argv)
+    if args.start_method:
+        multiprocessing.set_start_method(args.start_method)
     try:
         hooks = HarnessHooks(FaultPlan.parse(args.fault_plan), Misbehaviour.parse(args.byzantine))
     except ValueError as e:

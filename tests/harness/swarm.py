@@ -185,17 +185,18 @@ class Swarm:
     def peer(self, name: str, *args: str, join: bool = True, namespace: Optional[int] = None,
              wrap: Callable[[List[str]], List[str]] = list, faults: Optional[str] = None,
              byzantine: Optional[str] = None, metrics_path: Optional[Path] = None,
-             new_run: bool = True) -> PeerProc:
+             new_run: bool = True, start_method: Optional[str] = None) -> PeerProc:
         """``python -m peer`` with the swarm's defaults; ``wrap`` rewrites its command line (e.g. torchrun).
-        ``faults`` (a fault plan, ``tests/harness/faults.py``) and ``byzantine`` (``misbehaviour.py``) run it under
-        the harness instead. ``metrics_path``: another metrics file than NAME.jsonl (a restart's, say). Peers that
-        join start the run too if it is not there yet (``--new-run``: several start at once), unless not
-        ``new_run``."""
+        ``faults`` (a fault plan, ``tests/harness/faults.py``), ``byzantine`` (``misbehaviour.py``) and
+        ``start_method`` (multiprocessing's, set before the peer starts) run it under the harness instead.
+        ``metrics_path``: another metrics file than NAME.jsonl (a restart's, say). Peers that join start the run
+        too if it is not there yet (``--new-run``: several start at once), unless not ``new_run``."""
         extra = ["--initial-peers", self.maddr, *(("--new-run",) if new_run else ())] if join else []
         host = self.host
         if namespace is not None:
             host, wrap = self.net.ip(namespace), lambda argv: self.net.wrap(namespace, argv)
-        harness = [*(("--fault-plan", faults) if faults else ()), *(("--byzantine", byzantine) if byzantine else ())]
+        harness = [*(("--fault-plan", faults) if faults else ()), *(("--byzantine", byzantine) if byzantine else ()),
+                   *(("--start-method", start_method) if start_method else ())]
         args = [*self.defaults, "--host-maddrs", f"/ip4/{host}/tcp/0", *extra, *args]
         return self.track(PeerProc(args, self.log_dir, name, wrap, harness, metrics_path))
 
