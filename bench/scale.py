@@ -326,6 +326,11 @@ def table(summaries: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def causes(failed: collections.Counter) -> str:
+    """``no_group 70, missed_group 9, delegate_lost 7``: why syncs were not applied, the most common first."""
+    return ", ".join(f"{outcome} {count}" for outcome, count in failed.most_common()) or "none"
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", default="16,64,256,1024", help="comma-separated swarm sizes")
@@ -363,7 +368,8 @@ def main(argv=None) -> int:
             summary = dict(summarize(simulate(peers, group, args, args.seed), peers), group=group)
             summaries.append(summary)
             print(table([summary]).splitlines()[-1], flush=True)
-    text = table(summaries)
+    text = table(summaries) + "\n\nSyncs not applied, by outcome:\n\n" + "\n".join(
+        f"- {s['peers']} peers, G = {s['group'] or 'one'}: {causes(s['failed'])}" for s in summaries)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
