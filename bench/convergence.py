@@ -48,7 +48,8 @@ from peer.train.model import build_model, count_parameters
 
 MODEL = "micro"
 AXES = ("M", "H", "codec", "alignment", "feedback", "slow", "outer-lr", "outer-lr-decay", "averaging", "warm-start",
-        "outer-warmup", "fragments")
+        "outer-warmup", "outer-momentum", "fragments")
+OPT_IN = ("outer-lr-decay", "outer-momentum")  # axes a sweep runs only when asked
 SLOWDOWN = 3.0  # the slow replica's seconds per inner step, relative to the others
 QUICK = dict(tokens=80_000, replicas=2, inner_steps=10, seeds=[0], axes=["codec", "alignment", "feedback"],
              codecs=["none"], eval_batches=4, evals=4, warmup_steps=20)
@@ -85,6 +86,8 @@ class Cell:
                 "warm-start": f"data-parallel for the first {self.warm:.0%} of the tokens",
                 "outer-warmup": f"outer warm-up over {self.outer_warmup} steps, from plain averaging to "
                                 f"Nesterov lr {self.outer_lr:g}",
+                "outer-momentum": f"outer momentum {self.outer_momentum:g}" + (
+                    f", after a warm-up over {self.outer_warmup} steps" if self.outer_warmup else ""),
                 "fragments": f"{self.fragments} fragments, one averaged every {self.inner_steps // self.fragments} "
                              f"steps"}[self.axis]
 
@@ -109,6 +112,9 @@ def cells(args) -> List[Cell]:
         "warm-start": [dataclasses.replace(centre, axis="warm-start", warm=warm) for warm in args.warm_starts],
         "outer-warmup": [dataclasses.replace(centre, axis="outer-warmup", outer_warmup=steps, outer_lr=lr)
                          for steps in args.outer_warmups for lr in args.warmed_outer_lrs],
+        "outer-momentum": [dataclasses.replace(centre, axis="outer-momentum", outer_momentum=momentum,
+                                               outer_warmup=steps)
+                           for momentum in args.outer_momenta for steps in args.momentum_warmups],
         "fragments": [dataclasses.replace(centre, axis="fragments", fragments=count) for count in args.fragment_counts],
     }
     same = dataclasses.replace(centre, axis="")
@@ -618,7 +624,7 @@ def parse_args(argv: Sequence[str]):
     parser.add_argument("--inner-steps", type=int, default=100, help="the centre's H")
     parser.add_argument("--compression", default="int4", help="the centre's codec")
     parser.add_argument("--align-every", type=int, default=4, help="momentum alignment every k rounds, where on")
-    parser.add_argument("--axes", nargs="*", default=[axis for axis in AXES if axis != "outer-lr-decay"], choices=AXES)
+    parser.add_argument("--axes", nargs="*", default=[axis for axis in AXES if axis not in OPT_IN], choices=AXES)
     parser.add_argument("--sweep-replicas", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--sweep-inner-steps", type=int, nargs="*", default=[10, 50, 100, 250])
     parser.add_argument("--codecs", nargs="*", default=["none", "fp16", "int8", "int4", "int4-huffman"])
@@ -631,6 +637,10 @@ def parse_args(argv: Sequence[str]):
                         help="outer steps of the outer-warmup axis (plain averaging blended into Nesterov)")
     parser.add_argument("--warmed-outer-lrs", type=float, nargs="*", default=[0.7],
                         help="the Nesterov outer lrs the outer-warmup axis blends into")
+    parser.add_argument("--outer-momenta", type=float, nargs="*", default=[0.5, 0.8],
+                        help="the Nesterov momenta of the outer-momentum axis (at the centre's outer lr)")
+    parser.add_argument("--momentum-warmups", type=int, nargs="*", default=[0],
+                        help="the outer warm-ups (outer steps) the outer-momentum axis runs each momentum with")
     parser.add_argument("--fragment-counts", type=int, nargs="*", default=[4],
                         help="F of the fragments axis (streaming: one of F fragments averaged every H/F steps)")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
