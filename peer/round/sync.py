@@ -326,11 +326,12 @@ class Synchronizer:
     def _contribution(self, action: Action, attempt: _Attempt) -> Contribution:
         """What we tell our group (``swarm/metadata.py``); our weight: our tokens, discounted when stale."""
         mine = self.announcer.record()
-        late = catching_up(self.cache.records.values(), mine, self.clock.dht_time(), self.producers())
+        late = catching_up(self.cache.records.values(), mine, self.clock.dht_time(), self.producers()) \
+            if attempt.overlapped else []
         return Contribution(epoch=mine.epoch, hash=mine.state_hash, tokens=attempt.tokens, align=attempt.align,
                             step_seconds=self.step_seconds, missed=self.stuck, voters=action.voters,
                             sync_seconds=self.sync_seconds if attempt.overlapped else None,
-                            late=len(late) if attempt.overlapped else 0,
+                            late=len(late),
                             weight=attempt.tokens * self.run.stale_discount ** attempt.missed_rounds,
                             groups=action.groups, client=self.announcer.identity.client_mode)
 
