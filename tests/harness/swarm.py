@@ -83,7 +83,7 @@ class Proc:
     def wait(self, timeout: float) -> int:
         try:
             code = self.popen.wait(timeout)
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.remove_tmp()
             return code
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{self.name} did not exit within {timeout:.0f}s; stderr:\n{self.stderr[-3000:]}")
@@ -94,7 +94,12 @@ class Proc:
 
     def kill_group(self) -> None:
         """SIGKILL the process, its group, and the groups of its descendants (torchrun starts each rank
-        in a session of its own)."""
+        in a session of its own), then remove its temp dir."""
+        self.kill()
+        self.remove_tmp()
+
+    def kill(self) -> None:
+        """``kill_group`` without removing the temp dir (``Swarm.close`` removes them all after every kill)."""
         pids = [self.popen.pid, *descendants(self.popen.pid)]
         groups = set()
         for pid in pids:
@@ -110,6 +115,17 @@ class Proc:
             for leftover in glob.glob(f"/dev/shm/torch_{pid}_*"):
                 with contextlib.suppress(OSError):
                     os.remove(leftover)
+
+    def remove_tmp(self, timeout: float = 10) -> None:
+        """Remove the process's temp dir once torch's shared-memory manager has left it.
+
+        ``torch_shm_manager`` (started by the first shared tensor) runs in a session of its own, so it outlives the
+        process group by a moment. It keeps its socket in a ``torch-shm-dir-*`` of ``TMPDIR`` and removes that as it
+        exits; removed under it, it exits printing ``terminate called after throwing an instance of
+        'std::system_error' what(): No such file or directory`` into the peer's stderr.
+        """
+        with contextlib.suppress(AssertionError):  # still there after that: a manager that outlived us, remove anyway
+            wait_until(lambda: not glob.glob(os.path.join(self.tmp, "torch-shm-dir-*")), timeout, "torch_shm_manager")
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -222,7 +238,9 @@ class Swarm:
 
     def close(self) -> None:
         for proc in self.procs:
-            proc.kill_group()
+            proc.kill()
+        for proc in self.procs:  # every shared-memory manager winds down at once: one wait for all, not one each
+            proc.remove_tmp()
 
 
 def signal_group(proc: Proc, sig: int) -> None:
@@ -242,11 +260,13 @@ def by_epoch(peers: List[PeerProc]) -> Dict[int, Dict[str, dict]]:
 
 
 def assert_all_leave(peers: List[PeerProc], timeout: float = 60) -> None:
-    """SIGTERM every peer at once, then each must leave cleanly (exit 0) within ``timeout`` seconds."""
+    """SIGTERM every peer at once, then each must leave cleanly (exit 0, no C++ abort from a child) within
+    ``timeout`` seconds."""
     for peer in peers:
         peer.signal(signal.SIGTERM)
     for peer in peers:
         assert peer.wait(timeout) == 0, peer.stderr[-3000:]
+        assert "terminate called" not in peer.stderr, peer.stderr[-3000:]
 
 
 def assert_groups_agree(peers: List[PeerProc]) -> int:
