@@ -294,6 +294,7 @@ def summarize(result: dict, peers: int) -> dict:
     for row in rows:
         if not row["applied"]:
             failed_at[row["epoch"]].add(row["peer"])
+    worst = max(failed_at, key=lambda epoch: len(failed_at[epoch]), default=None)
     total = sum(r["compute"] + r["sync"] for r in rows) or 1
     return dict(
         peers=peers, epochs=len(epochs), round=statistics.median(gaps) if gaps else float("nan"),
@@ -305,7 +306,8 @@ def summarize(result: dict, peers: int) -> dict:
         states=max((len({r["hash"] for r in by_epoch[e]}) for e in epochs), default=0),
         forked=sum(len({r["hash"] for r in by_epoch[e]}) > 1 for e in epochs),
         sent=statistics.median(r["sent"] for r in rows) if rows else 0,
-        radius=max((len(peers) for peers in failed_at.values()), default=0),
+        radius=max((len(peers) for peers in failed_at.values()), default=0), worst=worst,
+        worst_failed=collections.Counter(r["outcome"] for r in rows if not r["applied"] and r["epoch"] == worst),
         streams=statistics.median(r["streams"] for r in rows if r["applied"]) if epochs else 0,
         streams_max=max((r["streams"] for r in rows), default=0),
         loss=min((r["loss"] for r in rows), default=float("nan")), cost=result["seconds"],
@@ -369,7 +371,8 @@ def main(argv=None) -> int:
             summaries.append(summary)
             print(table([summary]).splitlines()[-1], flush=True)
     text = table(summaries) + "\n\nSyncs not applied, by outcome:\n\n" + "\n".join(
-        f"- {s['peers']} peers, G = {s['group'] or 'one'}: {causes(s['failed'])}" for s in summaries)
+        f"- {s['peers']} peers, G = {s['group'] or 'one'}: {causes(s['failed'])}; in the worst round "
+        f"(from epoch {s['worst']}): {causes(s['worst_failed'])}" for s in summaries)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
