@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.harness.swarm import Proc, wait_until
+from tests.harness.swarm import Proc, shm_managers, wait_until
 
 # a tensor shared as hivemind shares them (file_system: torch_shm_manager holds a socket in TMPDIR), and a helper
 # process that outlives the main one by a moment, as a peer's averager and DHT processes do when it leaves
@@ -19,20 +19,7 @@ os._exit(0)
 """
 
 
-def shm_managers_in(tmp: str):
-    """pids of the torch_shm_manager processes whose TMPDIR is ``tmp`` (comm keeps 15 characters of a name)."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/comm") as comm, open(f"/proc/{pid}/environ", "rb") as environ:
-                if comm.read().startswith("torch_shm_manag") and f"TMPDIR={tmp}".encode() in environ.read():
-                    found.append(pid)
-        except OSError:
-            pass  # gone, or not ours to read
-    return found
-
-
-def gone(pid: str) -> bool:
+def gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
@@ -47,7 +34,7 @@ def test_a_reaped_process_temp_dir_outlives_its_shared_memory_manager(tmp_path):
     dir removed under it, it exited printing ``terminate called after throwing an instance of 'std::system_error'``
     into the stderr of every peer a benchmark stopped. ``wait`` removes the dir only after the manager is gone."""
     proc = Proc([sys.executable, "-c", SHARES_AND_LINGERS], tmp_path, "sharer")
-    managers = wait_until(lambda: shm_managers_in(proc.tmp), 60, "the process's torch_shm_manager")
+    managers = wait_until(lambda: shm_managers(proc.tmp), 60, "the process's torch_shm_manager")
     assert proc.wait(60) == 0, proc.stderr
     wait_until(lambda: all(gone(pid) for pid in managers), 30, "torch_shm_manager to exit")
     assert not os.path.exists(proc.tmp)

@@ -94,12 +94,7 @@ class Proc:
 
     def kill_group(self) -> None:
         """SIGKILL the process, its group, and the groups of its descendants (torchrun starts each rank
-        in a session of its own), then remove its temp dir."""
-        self.kill()
-        self.remove_tmp()
-
-    def kill(self) -> None:
-        """``kill_group`` without removing the temp dir (``Swarm.close`` removes them all after every kill)."""
+        in a session of its own, and so does torch_shm_manager), then remove its temp dir."""
         pids = [self.popen.pid, *descendants(self.popen.pid)]
         groups = set()
         for pid in pids:
@@ -115,18 +110,37 @@ class Proc:
             for leftover in glob.glob(f"/dev/shm/torch_{pid}_*"):
                 with contextlib.suppress(OSError):
                     os.remove(leftover)
+        self.remove_tmp()
 
     def remove_tmp(self, timeout: float = 10) -> None:
-        """Remove the process's temp dir once torch's shared-memory manager has left it.
+        """Remove the process's temp dir once no torch shared-memory manager uses it.
 
-        ``torch_shm_manager`` (started by the first shared tensor) runs in a session of its own, so it outlives the
-        process group by a moment. It keeps its socket in a ``torch-shm-dir-*`` of ``TMPDIR`` and removes that as it
-        exits; removed under it, it exits printing ``terminate called after throwing an instance of
-        'std::system_error' what(): No such file or directory`` into the peer's stderr.
+        ``torch_shm_manager`` (started by the first shared tensor) runs in a session of its own and leaves about 2 s
+        after its last client, so it outlives a peer that exits by itself. It keeps its socket in a
+        ``torch-shm-dir-*`` of ``TMPDIR`` and removes that as it exits; removed under it, it exits printing
+        ``terminate called after throwing an instance of 'std::system_error' what(): No such file or directory``
+        into the peer's stderr. (``kill_group`` kills it with the rest: nothing to wait for there.)
         """
-        with contextlib.suppress(AssertionError):  # still there after that: a manager that outlived us, remove anyway
-            wait_until(lambda: not glob.glob(os.path.join(self.tmp, "torch-shm-dir-*")), timeout, "torch_shm_manager")
+        with contextlib.suppress(AssertionError):  # one that outlived that: remove its dir all the same
+            wait_until(lambda: not shm_managers(self.tmp), timeout, "torch_shm_manager to leave", interval=0.05)
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def shm_managers(tmp: str) -> List[int]:
+    """The live torch_shm_manager processes whose ``TMPDIR`` is ``tmp`` (/proc's comm keeps 15 characters of a
+    name; a zombie's environ reads empty)."""
+    found, mark = [], f"TMPDIR={tmp}\0".encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/comm") as comm:
+                if not comm.read().startswith("torch_shm_manag"):
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if mark in environ.read():
+                    found.append(int(pid))
+        except OSError:
+            pass  # gone, or not ours to read
+    return found
 
 
 def descendants(pid: int) -> List[int]:
@@ -238,9 +252,7 @@ class Swarm:
 
     def close(self) -> None:
         for proc in self.procs:
-            proc.kill()
-        for proc in self.procs:  # every shared-memory manager winds down at once: one wait for all, not one each
-            proc.remove_tmp()
+            proc.kill_group()
 
 
 def signal_group(proc: Proc, sig: int) -> None:
