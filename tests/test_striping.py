@@ -1,20 +1,23 @@
 """The striped download in-process: pieces spread over donors, a failed donor's share goes to the others, and a
-donor whose connection a relay reset (after a piece came through) gets one more try."""
+donor whose connection a relay reset (after a piece came through) gets one more try, and so does, once, a donor whose
+stream was cut before it answered."""
 
 import asyncio
 
-from peer.averaging.striping import stripe
+from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
+from peer.averaging.striping import StreamCut, stripe
 
 
-def run(donors, count, fail):
-    """``fail(donor, piece, attempt) -> bool``: whether that fetch raises."""
+def run(donors, count, fail, error=ConnectionResetError("relayed connection reset")):
+    """``fail(donor, piece, attempt) -> bool``: whether that fetch raises ``error``."""
     attempts = {}
 
     async def fetch(donor, piece):
         attempts[donor] = attempts.get(donor, 0) + 1
         await asyncio.sleep(0)
         if fail(donor, piece, attempts[donor]):
-            raise ConnectionResetError("relayed connection reset")
+            raise error
         return f"{donor}:{piece}"
 
     return asyncio.run(stripe(donors, count, fetch, "test download")), attempts
@@ -42,3 +45,24 @@ def test_a_lone_relayed_donor_reset_after_every_second_piece_still_serves_them_a
 def test_two_failures_in_a_row_drop_the_donor():
     got, attempts = run(["relayed"], 4, lambda donor, piece, attempt: attempt >= 2)
     assert sorted(got) == [0] and attempts["relayed"] == 3  # one piece, a failure, one more try, a failure
+
+
+def test_a_donor_whose_first_stream_is_cut_gets_one_more_try():
+    # after a partition heals, the first stream to each donor of the other side was reset (4 peers, a split healed)
+    for error in (StreamCut("the stream ended before the donor answered"),
+                  ControlFailure("Connect failed. msg=failed to negotiate protocol: stream reset")):
+        got, attempts = run(["a", "b"], 6, lambda donor, piece, attempt: attempt == 1, error)
+        assert sorted(got) == list(range(6)) and {donor for donor, _ in got.values()} == {"a", "b"}
+        assert attempts == {"a": 4, "b": 4}  # 3 pieces each, after one cut each
+
+
+def test_a_donor_cut_twice_before_it_answered_is_dropped():
+    got, attempts = run(["a", "b"], 6, lambda donor, piece, attempt: donor == "a", StreamCut("cut"))
+    assert sorted(got) == list(range(6)) and {donor for donor, _ in got.values()} == {"b"}
+    assert attempts["a"] == 2
+
+
+def test_a_refusal_is_not_a_cut():
+    got, attempts = run(["a", "b"], 6, lambda donor, piece, attempt: donor == "a",
+                        ValueError("the donor no longer holds that state"))
+    assert {donor for donor, _ in got.values()} == {"b"} and attempts["a"] == 1

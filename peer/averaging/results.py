@@ -31,7 +31,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
 from dht import internals
 from peer.averaging.allreduce import CodecCompression
 from peer.averaging.inuse import InUse
-from peer.averaging.striping import stripe
+from peer.averaging.striping import StreamCut, stripe
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +224,8 @@ class RoundResults:
                     info = self.serializer.loads(message.metadata)
                 else:
                     parts.append(message.tensor_part)
+        if info is None:
+            raise StreamCut(f"the stream from {donor} ended before it sent the result's status")
         if not isinstance(info, dict):
             raise ValueError(f"{donor} sent no status")
         return info, parts

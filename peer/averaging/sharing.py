@@ -25,7 +25,7 @@ from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from dht import internals
 from peer.averaging.inuse import InUse
-from peer.averaging.striping import stripe
+from peer.averaging.striping import StreamCut, stripe
 from peer.hooks import DONOR
 
 logger = logging.getLogger(__name__)
@@ -82,21 +82,24 @@ class StateSharing:
 
     async def rpc_download_slice(self, request: averaging_pb2.DownloadData, _context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """Stream values [start, end) of G followed by m, from the state with the requested hash; nothing
-        if we no longer hold that state. The first message carries the state's metadata."""
+        """Stream values [start, end) of G followed by m, from the state with the requested hash. The first message
+        carries the state's metadata; if we no longer hold that state, it says so (hash None) and is the only one."""
         try:
             wanted = self.serializer.loads(request.metadata)
             wanted_hash, start, end = str(wanted["hash"]), int(wanted["start"]), int(wanted["end"])
         except Exception:
             return
-        snapshot = await self._snapshot(wanted_hash)
-        if snapshot is None:
-            return
-        metadata, tensors = snapshot
-        if not 0 <= start < end <= sum(t.numel() for t in tensors):
-            return
-        piece = serialize_torch_tensor(_take(tensors, start, end))
+        # in use from the request on: a ping of ours that timed out meanwhile (a loaded machine) must not close the
+        # connection under the stream (``SwarmAverager.drop_connections``)
         with self._in_use.streaming([_context.remote_id.to_base58()]):
+            snapshot = await self._snapshot(wanted_hash)
+            if snapshot is None:  # said in words: a stream that ends without a word was cut (``striping.StreamCut``)
+                yield averaging_pb2.DownloadData(metadata=self.serializer.dumps(dict(hash=None)))
+                return
+            metadata, tensors = snapshot
+            if not 0 <= start < end <= sum(t.numel() for t in tensors):
+                return
+            piece = serialize_torch_tensor(_take(tensors, start, end))
             for index, part in enumerate(split_for_streaming(piece)):
                 yield averaging_pb2.DownloadData(tensor_part=part,
                                                  metadata=self.serializer.dumps(metadata) if index == 0 else b"")
@@ -169,6 +172,8 @@ class StateSharing:
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             parts.append(message.tensor_part)
+        if metadata is None and not parts:
+            raise StreamCut("the stream ended before the donor answered")
         if not isinstance(metadata, dict) or metadata.get("hash") != state_hash or not parts:
             raise ValueError("the donor no longer holds that state")
         values = deserialize_torch_tensor(combine_from_streaming(parts))
