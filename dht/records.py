@@ -136,15 +136,19 @@ class RecordPublisher:
                 reach = self.reach
                 if reach:
                     pinged = reach_out(self.dht, reach, drop=self.drop)
-                    pinged.add_done_callback(functools.partial(self._pinged, len(reach)))
+                    pinged.add_done_callback(functools.partial(self._pinged, reach))
             except Exception as e:  # the DHT is shutting down under us: our peer is leaving
                 logger.debug(f"record heartbeat stopped: {e!r}")
                 return
 
-    def _pinged(self, pinged: int, future) -> None:
+    def _pinged(self, pinged: Tuple[str, ...], future) -> None:
+        """A peer that answered is news once: pinged again at every heartbeat until our next sync looks (``reach`` is
+        set anew there), it set ``answered`` every 2 s, and each time the round read the swarm's records again."""
         if future.cancelled() or future.exception() is not None:
             return
-        if len(future.result()) < pinged:
+        answered = set(pinged) - set(future.result())
+        if answered:
+            self.reach = tuple(peer for peer in self.reach if peer not in answered)
             self.answered.set()
 
 

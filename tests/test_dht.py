@@ -100,6 +100,16 @@ def test_a_published_record_keeps_its_heartbeat_until_stopped(two_nodes):
     assert not publisher.thread.is_alive()
 
 
+def test_a_silent_peer_that_answers_a_ping_is_news_once(two_nodes):
+    first, second = two_nodes
+    publisher = RecordPublisher(first, "run-p", heartbeat=0.2)
+    publisher.publish(PeerRecord(signing_peer_id(), 1, "h1", 10, "m"), ttl=60)
+    publisher.reach = (second.peer_id.to_base58(),)  # as a sync sets it: a peer whose record went silent
+    assert publisher.answered.wait(10), "the live peer's answer to the heartbeat's ping"
+    assert publisher.reach == ()  # not pinged again: no news every heartbeat after it
+    publisher.stop()
+
+
 class HeldDHT:
     """A real DHT node whose lookups answer only when the test lets them: a DHT slower than its reader's timeout."""
 
