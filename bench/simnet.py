@@ -399,6 +399,7 @@ class SimTransport:
         self.request_timeout = leader_request_timeout(request_timeout, grace_seconds)
         self.answered = threading.Event()
         self.prepared: dict = {}
+        self.lookup_answers: Optional[float] = None  # when the lookup a poll began answers (``read_records``)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -408,7 +409,17 @@ class SimTransport:
         self.scheduler.sleep(2 * self.peer.link.latency * count)
 
     def read_records(self, timeout: float):
-        self._round_trips(self.network.config.lookups)
+        """The records, after the lookup's round trips; with no time to wait (``timeout`` 0, a poll), those of a
+        lookup begun at an earlier poll if it has answered by now, else None while it goes on (``RecordReader``)."""
+        seconds = 2 * self.peer.link.latency * self.network.config.lookups
+        if timeout > 0:
+            self.scheduler.sleep(seconds)
+            return self.network.read()
+        if self.lookup_answers is None:
+            self.lookup_answers = self.scheduler.now + seconds
+        if self.scheduler.now < self.lookup_answers:
+            return None
+        self.lookup_answers = None
         return self.network.read()
 
     def publish(self, record: PeerRecord, ttl: float) -> None:

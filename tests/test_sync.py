@@ -275,7 +275,8 @@ def test_a_peer_lined_up_with_holders_in_a_sync_replays_its_result_as_soon_as_it
                for name in ("a", "b")}
     looks, adopt = [], []
 
-    def catch_up(timeout):
+    def catch_up(timeout, poll=False):
+        assert poll, "a look between inner steps waited for the DHT's lookup"
         looks.append(clock.now)
         return SimpleNamespace(adopted=bool(adopt))
 
@@ -891,3 +892,17 @@ def test_a_peer_left_over_when_the_groups_filled_keeps_its_work_for_the_next_rou
     result = peer.sync()
     assert not result.applied and [p["phase"] for p in peer.transport.prepared] == ["group"]
     assert result.outcome is Outcome.NO_GROUP and torch.equal(peer.theta, theta)
+
+
+def test_a_look_between_inner_steps_does_not_wait_and_an_unanswered_poll_is_no_failed_read():
+    """``RoundClock.watch`` polls the records (``StateCatchUp.refresh(poll=True)``): a lookup not answered yet leaves
+    what we knew as it was, and is not a read that timed out (which would age every record as of the last answer)."""
+    peer = FakePeer()
+    peer.train()
+    holder(peer, next_sync_at=peer.clock.now + 30.0, round_seconds=5.0)
+    catchup = peer.synchronizer.catchup
+    known = catchup.refresh()
+    assert known and not peer.synchronizer.cache.lookup_failed
+    peer.transport.late = True  # the lookup has not answered
+    assert catchup.refresh(poll=True) == known and not peer.synchronizer.cache.lookup_failed
+    assert catchup.refresh() == known and peer.synchronizer.cache.lookup_failed  # a read that waited and timed out

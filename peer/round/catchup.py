@@ -60,9 +60,13 @@ class StateCatchUp:
         self.lock, self.deadlines, self.run, self.config = lock, deadlines, run, sync
         self.fragments = Fragments(layout.numel, run.fragments)
 
-    def refresh(self) -> Dict[str, PeerRecord]:
-        """Read the swarm's records (within what a matchmaking request may take: a lookup crosses several hops)."""
-        fetched = self.transport.read_records(max(LOOKUP_TIMEOUT, self.config.request_timeout))
+    def refresh(self, poll: bool = False) -> Dict[str, PeerRecord]:
+        """Read the swarm's records (within what a matchmaking request may take: a lookup crosses several hops).
+        ``poll``: without waiting: the answer of a lookup made since the last look, or else what we knew, while the
+        lookup goes on (``RecordReader``)."""
+        fetched = self.transport.read_records(0.0 if poll else max(LOOKUP_TIMEOUT, self.config.request_timeout))
+        if fetched is None and poll:
+            return self.cache.records
         return self.cache.update(fetched, self.clock.dht_time())
 
     def judged_at(self) -> float:
@@ -86,10 +90,11 @@ class StateCatchUp:
             if members:
                 self.clock.sleep(MEMBER_POLL)
 
-    def catch_up(self, timeout: float, attempted_epoch: Optional[int] = None) -> CatchUp:
+    def catch_up(self, timeout: float, attempted_epoch: Optional[int] = None, poll: bool = False) -> CatchUp:
         """Adopt the swarm's best state if it beats ours. ``attempted_epoch``: we just sent our delta in an
-        all-reduce at this epoch that failed for us; if the adopted state merged it there, ``merged_ours``."""
-        best = choose_state(self.refresh().values(), self.announcer.record())
+        all-reduce at this epoch that failed for us; if the adopted state merged it there, ``merged_ours``.
+        ``poll``: judge by the records a lookup has brought so far (``refresh``)."""
+        best = choose_state(self.refresh(poll).values(), self.announcer.record())
         if best is None:
             return CatchUp()
         holders = [r for r in self.cache.records.values() if r.state_hash == best.state_hash and not r.client_mode]

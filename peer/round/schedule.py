@@ -95,7 +95,10 @@ class RoundClock:
             return
         self._last_watch = self.clock.monotonic()
         news.clear()
-        if self.catchup.catch_up(timeout=60.0).adopted:
+        # the records as a lookup in the background brings them: a look that waited for its lookup, every second
+        # of a round not lined up, stalled training by the lookup's round trips each time (a first round took 104-143
+        # s for 100 steps of 1 s in ``bench.scale``, and its groups met scattered)
+        if self.catchup.catch_up(timeout=60.0, poll=True).adopted:
             self.rebased, self.following = True, False
             if self.catchup.holders_syncing():
                 # they may be waiting for us: end the round now and join them. Our published plan stays as it
