@@ -306,6 +306,27 @@ def test_a_peer_lined_up_with_holders_in_a_sync_replays_its_result_as_soon_as_it
     assert round_clock.aligned and not round_clock.following and looks[-1] == 1016.0  # lined up with, left alone
 
 
+def test_news_of_a_healed_partition_is_worth_a_fresh_lookup():
+    """An aligned peer looks once when a silent peer answers a ping, and not again: that look waits for a lookup of
+    its own. A poll there would find no answer yet (its last lookup was answered at its sync), and the peer would
+    notice the other half only at its next sync."""
+    clock, looks = FakeClock(), []
+    mine = record("me", 4, "s", 100)
+    catchup = SimpleNamespace(catch_up=lambda timeout, poll=False: looks.append(poll) or SimpleNamespace(adopted=False),
+                              holders_syncing=lambda: False)
+    news = threading.Event()
+    round_clock = RoundClock(RunConfig(align_every=0).resolved(), catchup, SimpleNamespace(records={}),
+                             SimpleNamespace(record=lambda: mine), news, clock, lambda _: None)
+    round_clock.aligned = True
+    round_clock.watch()
+    assert looks == []  # aligned, no news: no look
+    news.set()
+    round_clock.watch()
+    clock.sleep(1.0)
+    round_clock.watch()
+    assert looks == [False] and not news.is_set()
+
+
 def test_a_stretch_holds_until_the_group_agrees_again_and_is_told_once_each_way():
     clock = FakeClock()
     run = RunConfig(align_every=0).resolved()

@@ -94,11 +94,13 @@ class RoundClock:
                 self.clock.monotonic() - self._last_watch < WATCH_INTERVAL:
             return
         self._last_watch = self.clock.monotonic()
+        heard = news.is_set()
         news.clear()
-        # the records as a lookup in the background brings them: a look that waited for its lookup, every second
-        # of a round not lined up, stalled training by the lookup's round trips each time (a first round took 104-143
-        # s for 100 steps of 1 s in ``bench.scale``, and its groups met scattered)
-        if self.catchup.catch_up(timeout=60.0, poll=True).adopted:
+        # news (a healed partition) is worth waiting for a fresh lookup: it comes once, and an aligned peer does not
+        # look again. The routine looks poll, as a lookup in the background brings the records: a look that waited
+        # for its lookup, every second of a round not lined up, stalled training by the lookup's round trips each
+        # time (a first round took 104-143 s for 100 steps of 1 s in ``bench.scale``, and its groups met scattered)
+        if self.catchup.catch_up(timeout=60.0, poll=not heard).adopted:
             self.rebased, self.following = True, False
             if self.catchup.holders_syncing():
                 # they may be waiting for us: end the round now and join them. Our published plan stays as it
