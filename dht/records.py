@@ -167,7 +167,12 @@ class RecordReader:
     answer is the next read's, with each record as stale as it was when the answer arrived. A read abandoned at its
     timeout wasted the lookup: on a machine loaded 20-fold every read of a peer timed out for minutes, its view of
     the swarm emptied as the records it knew expired, and it stepped alone (16 peers, ``bench/results/scale.md``).
-    One lookup is in flight at a time, and one pending longer than ``abandon_after`` seconds is given up."""
+    One lookup is in flight at a time, and one pending longer than ``abandon_after`` seconds is given up.
+
+    A read that waits (``timeout`` > 0) wants the records as they are now: an answer that arrived before it (a poll's
+    lookup, or a timed-out read's) is kept only as its fallback, while a fresh lookup goes out. A sync's first read
+    took a lookup that a poll between inner steps had begun up to a second earlier, from before the others ended
+    their rounds."""
 
     def __init__(self, dht, run_id: str, abandon_after: float = 30.0):
         self.dht, self.run_id, self.abandon_after = dht, run_id, abandon_after
@@ -177,19 +182,30 @@ class RecordReader:
         self.answered_at: Optional[float] = None  # DHT time its answer arrived
 
     def read(self, timeout: float) -> Optional[Dict[str, PeerRecord]]:
-        """The records of the lookup in flight, or of a new one; None if it has not answered within ``timeout``."""
+        """The records of the lookup in flight, or of a new one; None if it has not answered within ``timeout``.
+        ``timeout`` 0 (a poll): an answer that came since the last read, or None while the lookup goes on."""
         with self.lock:
+            fallback = None
+            if timeout > 0 and self.pending is not None and self.pending.done():
+                fallback = self._take()
             if self.pending is None or time.monotonic() - self.started > self.abandon_after and not self.pending.done():
                 self._lookup()
             try:
-                found = self.pending.result(timeout=timeout)
+                self.pending.result(timeout=timeout)
             except (TimeoutError, concurrent.futures.TimeoutError):
-                return None
-            except Exception as e:  # the DHT failed the lookup: the next read tries again
-                logger.debug(f"records lookup failed: {e!r}")
-                found = None
-            self.pending = None
-            return parse_records(found, self.answered_at or get_dht_time())
+                return fallback
+            except Exception:  # ``_take`` says what
+                pass
+            return self._take() or {}
+
+    def _take(self) -> Optional[Dict[str, PeerRecord]]:
+        """The answered lookup's records (None if the DHT failed it); the next read looks again."""
+        lookup, seen_at, self.pending = self.pending, self.answered_at or get_dht_time(), None
+        try:
+            return parse_records(lookup.result(timeout=0), seen_at)
+        except Exception as e:  # the DHT failed the lookup: the next read tries again
+            logger.debug(f"records lookup failed: {e!r}")
+            return None
 
     def _lookup(self) -> None:
         self.pending, self.started, self.answered_at = None, time.monotonic(), None

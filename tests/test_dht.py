@@ -152,6 +152,34 @@ def test_a_lookup_pending_too_long_is_given_up_for_a_new_one(two_nodes):
     assert len(held.lookups) == 2
 
 
+def test_a_read_that_waits_looks_again_and_falls_back_on_an_earlier_answer(two_nodes):
+    """An answer that came before a read that waits (a poll's lookup) is stale to it: a sync's first read took records
+    from before the others ended their rounds. It is only the fallback while a fresh lookup goes out."""
+    first, second = two_nodes
+    me = signing_peer_id()
+
+    def publish(epoch):
+        publish_record(first, "run-f", PeerRecord(me, epoch, f"h{epoch}", 10, "m"), get_dht_time() + 60)
+        seen = lambda: getattr((fetch_records(second, "run-f") or {}).get(me), "epoch", None)  # noqa: E731
+        wait_until(lambda: seen() == epoch, 10, f"epoch {epoch}'s record to reach the other node")
+
+    publish(4)
+    held = HeldDHT(second)
+    held.gate.set()
+    reader = RecordReader(held, "run-f")
+    reader.read(timeout=0)  # a poll begins a lookup
+    wait_until(held.lookups[0].done, 10, "the poll's lookup to answer")
+    publish(5)
+    assert reader.read(timeout=10)[me].epoch == 5 and len(held.lookups) == 2  # a fresh lookup, not the poll's answer
+    reader.read(timeout=0)
+    wait_until(held.lookups[2].done, 10, "the next poll's lookup to answer")
+    held.gate.clear()  # the DHT answers no more in time
+    publish(6)
+    assert reader.read(timeout=0.2)[me].epoch == 5  # the fresh lookup is late: the earlier answer stands in
+    held.gate.set()
+    assert reader.read(timeout=10)[me].epoch == 6 and len(held.lookups) == 4  # the late lookup's answer, no new one
+
+
 async def _forget(peer_id: str, _dht, node) -> bool:
     """Drop a peer from this node's routing table, as hivemind does after a request to it failed; True if it
     was there."""
