@@ -211,6 +211,7 @@ class Forming:
     deadline: float
     phase: str
     window: float  # seconds a window lasts; a leader with too few members at its end looks again for another
+    expected: frozenset = frozenset()  # its leader's expected members: one outside them raises the target by one
     members: List[Member] = field(default_factory=list)
     closed: bool = False
 
@@ -266,17 +267,20 @@ class Network:
 
     # ---- matchmaking and all-reduce
     def join(self, peer: "SimPeer", key: str, target: int, min_group: int, window: float, phase: str,
-             word, weight: float, probe: Tuple[str, ...]) -> Member:
+             word, weight: float, probe: Tuple[str, ...], expected: Tuple[str, ...] = ()) -> Member:
         member = Member(peer, word, weight, SimEvent(self.scheduler))
         room = self.rooms.setdefault(key, [])
         forming = next((f for f in room if not f.closed and len(f.members) < f.target), None)
         if forming is None:
-            forming = Forming(key, max(target, 1), min_group, self.scheduler.now + window, phase, window)
+            forming = Forming(key, max(target, 1), min_group, self.scheduler.now + window, phase, window,
+                              frozenset(expected))
             room.append(forming)
             self.scheduler.at(forming.deadline, lambda: self._deadline(forming))
             dead = [p for p in probe if p in self.peers and not self.peers[p].alive]
             if dead:  # the liveness probe: a dead expected peer refuses every dial
                 self.scheduler.at(self.scheduler.now + PROBE_DELAY, lambda: self._shrink(forming, len(dead)))
+        elif forming.expected and peer.peer_id not in forming.expected:
+            forming.target += 1  # ``dht.internals.seed_leaders``: it takes no expected member's place
         forming.members.append(member)
         member.forming = forming
         if len(forming.members) >= forming.target:
@@ -454,10 +458,11 @@ class SimTransport:
         return [p.peer_id for p in holders], metadata, tensors
 
     def prepare(self, epoch, state_hash, min_group, expected_group, allreduce_timeout, part_timeout, probe,
-                phase="group", group=-1, meet_at=None, grace=None) -> None:
+                phase="group", group=-1, meet_at=None, grace=None, members=()) -> None:
         suffix = "cross" if phase == "cross" else ("" if group < 0 else f"g{group}")
         self.prepared = dict(key=f"{epoch}:{state_hash}:{suffix}", target=expected_group, min_group=min_group,
-                             phase=phase, probe=tuple(probe), meet_at=meet_at, grace=grace or self.grace)
+                             phase=phase, probe=tuple(probe), meet_at=meet_at, grace=grace or self.grace,
+                             members=tuple(members))
         self.peer.result_key = f"{self.peer.peer_id}/{epoch}:{state_hash}"  # each delegate serves its own
         if phase == "cross":
             self.network.result(self.peer.result_key)
@@ -466,7 +471,7 @@ class SimTransport:
         prepared, now = self.prepared, self.scheduler.now
         window = matchmaking_window(now, prepared["meet_at"], prepared["grace"], prepared["phase"] == "cross")
         member = self.network.join(self.peer, prepared["key"], prepared["target"], prepared["min_group"], window,
-                                   prepared["phase"], word, weight, prepared["probe"])
+                                   prepared["phase"], word, weight, prepared["probe"], prepared["members"])
         deadline = now + timeout
         looking = now + matchmaking_timeout(window, prepared["grace"], self.request_timeout)
         while not self.scheduler.block(event=member.done, until=min(

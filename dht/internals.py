@@ -163,6 +163,7 @@ def forming_with(matchmaking) -> Set[str]:
 def set_group_sizes(matchmaking, min_group: int, target: int) -> None:
     """A leader closes its group once ``target`` peers joined, or at the end of the window with ``min_group``."""
     matchmaking.min_group_size = min_group
+    matchmaking._extra_members = set()  # the round's unexpected followers, each counted past the target once
     set_target(matchmaking, target)
 
 
@@ -212,11 +213,14 @@ def raise_when_no_group(matchmaking, error: Callable[[str], BaseException]) -> N
 
 
 def seed_leaders(matchmaking, source: Callable[[float], Awaitable[Optional[List[Tuple[str, float]]]]],
-                 expected: Callable[[str], bool]) -> None:
+                 expected: Callable[[str], bool], unexpected: Callable[[str], bool] = lambda peer: False) -> None:
     """Fill matchmaking's leader queue from ``source(our declared expiration)``: (peer id, expiration) pairs, or None
     for hivemind's own lookup of the DHT's declarations. And accept a join request from a peer that ``expected``
-    names even if its declared window ends before ours (hivemind refuses it: ``BAD_EXPIRATION_TIME``). Installed
-    once per matchmaking."""
+    names even if its declared window ends before ours (hivemind refuses it: ``BAD_EXPIRATION_TIME``). A follower
+    that ``unexpected`` names (one our records missed: a joiner whose record had not reached us) raises the target
+    by one: hivemind's leader closes its group at the target's count, and the joiner, which came first, took the
+    place of an expected member, which then missed the round (``tests/test_swarm.py``'s joiner). Installed once per
+    matchmaking."""
     if getattr(matchmaking, "_seeded", False):
         return
     manager, leaders = matchmaking.group_key_manager, matchmaking.potential_leaders
@@ -233,7 +237,12 @@ def seed_leaders(matchmaking, source: Callable[[float], Awaitable[Optional[List[
         if isfinite(declared) and request.expiration < declared and expected(context.remote_id.to_base58()):
             request = type(request).FromString(request.SerializeToString())
             request.expiration = declared
-        return check(request, context)
+        verdict, peer = check(request, context), context.remote_id.to_base58()
+        extra = getattr(matchmaking, "_extra_members", None)
+        if verdict is None and extra is not None and peer not in extra and unexpected(peer):
+            extra.add(peer)  # once a round: a follower that left and asks again is still one more
+            set_target(matchmaking, matchmaking.target_group_size + 1)  # (under the join lock: hivemind holds it here)
+        return verdict
 
     manager.get_averagers = get_averagers
     matchmaking._check_reasons_to_reject = check_reasons_to_reject

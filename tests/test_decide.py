@@ -44,6 +44,7 @@ def test_ready_with_peers_at_our_state_averages_with_them_and_those_downloading_
                          peer("old", epoch=4, state="zz", tokens=100)))
     assert action.do is Do.AVERAGE and action.expected == 4  # us, a, c and the joiner
     assert action.probe == ("a",)  # clients cannot be dialled
+    assert set(action.members) == {"a", "c", "j"}  # yet they are the group's members: their places are kept
     assert action.voters == 3  # us and the two at our state; neither the joiner nor the peer behind votes
 
 

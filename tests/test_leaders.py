@@ -1,7 +1,9 @@
 """Whom a round's matchmaking asks to lead: the expected peers from our records, ranked by id (fake clock)."""
 
 import asyncio
+from types import SimpleNamespace
 
+from dht import internals
 from peer.averaging.leaders import HOLD, RETRY_EVERY, RecordLeaders, leader_queue
 
 PEERS = ["QmA", "QmB", "QmC", "QmD"]
@@ -53,3 +55,34 @@ def test_passes_repeat_from_the_lowest_every_retry_interval_and_a_round_without_
 def test_a_client_which_cannot_lead_asks_every_expected_peer_lowest_first():
     """A peer behind a NAT whose id sorts lowest asked nobody, and nobody asked it: it never met (seen in CI)."""
     assert [peer for peer, _ in leader_queue("Qm0", PEERS, declared=100.0, now=90.0, client=True)] == PEERS
+
+
+def test_a_follower_the_records_missed_joins_as_one_more_and_takes_no_expected_members_place():
+    """A joiner whose record had not reached the leader came to it first and filled the group at its expected count;
+    an expected member, a moment later, missed the round (``tests/test_swarm.py``'s joiner, in CI). hivemind's
+    leader checks each join request (``_check_reasons_to_reject``, wrapped by ``seed_leaders``), then closes at the
+    target's count: an unexpected follower it accepts raises the target by one, once a round."""
+    leaders = RecordLeaders("B", clock=lambda: 0.0)
+    verdicts = {}
+    matchmaking = SimpleNamespace(
+        group_key_manager=SimpleNamespace(get_averagers=None), potential_leaders=SimpleNamespace(
+            declared_expiration_time=float("inf")),
+        _check_reasons_to_reject=lambda request, context: verdicts.get(context.remote_id.to_base58()))
+    internals.seed_leaders(matchmaking, leaders.queue, leaders.is_expected, leaders.is_unexpected)
+
+    def ask(peer):
+        context = SimpleNamespace(remote_id=SimpleNamespace(to_base58=lambda: peer))
+        return matchmaking._check_reasons_to_reject(SimpleNamespace(expiration=1.0), context)
+
+    leaders.set_round(["C"], members=["C", "N"])  # C accepts connections and is probed; N is behind a NAT
+    internals.set_group_sizes(matchmaking, 2, 3)
+    assert ask("J") is None and matchmaking.target_group_size == 4  # the joiner our records missed: one more
+    assert ask("J") is None and matchmaking.target_group_size == 4  # asking again (it left, say): still one
+    assert ask("C") is None and ask("N") is None and matchmaking.target_group_size == 4  # the expected: no change
+    verdicts["K"] = "GROUP_IS_FULL"
+    assert ask("K") == "GROUP_IS_FULL" and matchmaking.target_group_size == 4  # refused: not one more
+    internals.set_group_sizes(matchmaking, 2, 3)  # the next round counts afresh
+    assert ask("J") is None and matchmaking.target_group_size == 4
+    leaders.set_round([], members=[])  # a round without records (a cross, hivemind's declarations): nobody is extra
+    internals.set_group_sizes(matchmaking, 2, 3)
+    assert ask("X") is None and matchmaking.target_group_size == 3

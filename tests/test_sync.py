@@ -78,6 +78,7 @@ def test_a_group_applies_the_average_identically_and_agrees_the_next_round():
     assert (sent.epoch, sent.hash, sent.tokens, sent.step_seconds, weight) == (4, peer.transport.prepared[0]["hash"],
                                                                               100, 0.3, 100.0)
     assert peer.transport.prepared[0]["expected"] == 2 and peer.transport.prepared[0]["probe"] == ("a",)
+    assert peer.transport.prepared[0]["members"] == ("a",)
 
 
 def test_stale_work_weighs_less():

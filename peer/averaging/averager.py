@@ -138,14 +138,16 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
     # ---- round control (main process -> averager process) ----
     def prepare_round(self, epoch: int, state_hash: str, min_group: int, expected_group: int,
                       allreduce_timeout: float, part_timeout: float, probe: Sequence[str] = (),
-                      phase: str = GROUP, group: int = -1, patience: Optional[float] = None) -> None:
+                      phase: str = GROUP, group: int = -1, patience: Optional[float] = None,
+                      members: Sequence[str] = ()) -> None:
         """Use this round's matchmaking key and deadlines. A leader closes the group as soon as
         ``expected_group`` peers joined, or when its grace window ends with at least ``min_group``; below
         that, no group forms. Expected peers listed in ``probe`` are dialled meanwhile, and each one that
-        cannot be reached (``liveness.gone``) is taken off the expected group. ``phase``: ``GROUP`` meets the
-        peers at our state (in ``group`` of a round of many; -1: one group of all), ``CROSS`` the delegates of its
-        groups; each under a key of its own. ``patience``: how long past our window we wait for a leader's group
-        (this round's window; the grace we were built with if None)."""
+        cannot be reached (``liveness.gone``) is taken off the expected group. ``members``: who the expected group
+        is, less us (empty: not known); a peer outside them that joins is one more, and takes nobody's place.
+        ``phase``: ``GROUP`` meets the peers at our state (in ``group`` of a round of many; -1: one group of all),
+        ``CROSS`` the delegates of its groups; each under a key of its own. ``patience``: how long past our window we
+        wait for a leader's group (this round's window; the grace we were built with if None)."""
         future = MPFuture()
         if phase == CROSS:
             bits = round_bits(epoch, f"{state_hash}/{CROSS}")
@@ -154,13 +156,13 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         internals.call_in_averager(self, "_prepare_round", epoch=epoch, bits=bits, phase=phase, group=group,
                                    key=result_key(epoch, state_hash), min_group=min_group,
                                    expected_group=expected_group, allreduce_timeout=allreduce_timeout,
-                                   part_timeout=part_timeout, probe=list(probe),
+                                   part_timeout=part_timeout, probe=list(probe), members=list(members),
                                    patience=self.patience if patience is None else patience, future=future)
         future.result(timeout=30)
 
     async def _prepare_round(self, epoch: int, bits: str, phase: str, group: int, key: str, min_group: int,
                              expected_group: int, allreduce_timeout: float, part_timeout: float, probe: List[str],
-                             patience: float, future: MPFuture) -> None:
+                             members: List[str], patience: float, future: MPFuture) -> None:
         try:
             self._rounds_prepared += 1
             self.patience = patience
@@ -172,10 +174,12 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
             internals.raise_when_no_group(matchmaking, NoGroup)
             if self._leaders is None:
                 self._leaders = RecordLeaders(self.peer_id.to_base58(), get_dht_time, client=self.client_mode)
-                internals.seed_leaders(matchmaking, self._leaders.queue, self._leaders.is_expected)
+                internals.seed_leaders(matchmaking, self._leaders.queue, self._leaders.is_expected,
+                                       self._leaders.is_unexpected)
                 internals.declare_in_background(matchmaking)
                 internals.wait_past_window(matchmaking, lambda: self.patience)
-            self._leaders.set_round(probe if phase == GROUP else ())  # our group's leader, from our records
+            # our group's leader and members, from our records
+            self._leaders.set_round(*((probe, members) if phase == GROUP else ((), ())))
             internals.use_round_key(matchmaking, bits)
             internals.set_group_sizes(matchmaking, min_group, max(expected_group, min_group))
             if probe:  # the event loop holds tasks weakly: keep a reference until it ends

@@ -51,15 +51,21 @@ class RecordLeaders:
     def __init__(self, own: str, clock: Callable[[], float], client: bool = False):
         self.own, self.client = own, client
         self.expected: frozenset = frozenset()
+        self.members: frozenset = frozenset()  # all of our group's expected members (``expected``: those to ask)
         self._first = True  # the first pass of a round is served at once
         self._clock = clock
 
-    def set_round(self, expected: Sequence[str]) -> None:
+    def set_round(self, expected: Sequence[str], members: Sequence[str] = ()) -> None:
         self.expected = frozenset(peer for peer in expected if peer != self.own)
+        self.members = frozenset(peer for peer in members if peer != self.own)
         self._first = True
 
     def is_expected(self, peer_id: str) -> bool:
         return peer_id in self.expected
+
+    def is_unexpected(self, peer_id: str) -> bool:
+        """A peer that our records do not name as a member of our group this round (False without a list)."""
+        return bool(self.members) and peer_id not in self.members
 
     async def queue(self, declared: float) -> Optional[List[Tuple[str, float]]]:
         """This pass's entries, after RETRY_EVERY seconds unless it is the round's first; None without expected

@@ -126,6 +126,7 @@ class Action:
     groups: int = 1  # AVERAGE: the groups the round is expected to have (1: one group of all)
     group: int = -1  # AVERAGE: which group we meet in (-1: one group of all)
     probe: Tuple[str, ...] = ()  # AVERAGE: the expected peers to dial while the group forms
+    members: Tuple[str, ...] = ()  # AVERAGE: our group's other expected members (any reach), whose places it keeps
     voters: int = 1  # AVERAGE: the electorate we count, us included
     min_group: int = 0  # AVERAGE: the fewest members a group may close with at its window's end (0: the quorum's)
     delegate: str = ""  # RECEIVE: our group's delegate
@@ -237,7 +238,7 @@ def _ready(view: View) -> Action:
         # may apply (consensus.minority), so it must be able to form
         majority = (electorate if groups == 1 else size) // 2 + 1 if view.stuck + 1 < MAX_MISSED else 0
         return Action(Do.AVERAGE, expected=expected, target=size, groups=groups, group=group if groups > 1 else -1,
-                      probe=probe, voters=electorate, min_group=min(size, majority))
+                      probe=probe, members=tuple(mates), voters=electorate, min_group=min(size, majority))
     stalled = view.lonely + 1 >= MAX_MISSED
     if view.lookup_failed and not stalled:
         # stepping alone on a view that may be empty only because it is late would fork the run

@@ -309,7 +309,8 @@ class Synchronizer:
         try:
             self.transport.prepare(mine.epoch, mine.state_hash, min_group, action.target,
                                    allreduce_timeout=self.deadlines.allreduce(size),
-                                   part_timeout=self.deadlines.part(size), probe=action.probe, group=action.group,
+                                   part_timeout=self.deadlines.part(size), probe=action.probe,
+                                   members=action.members, group=action.group,
                                    meet_at=meet_at, grace=grace)
             self.hooks.at(MATCHMAKING, self.state.epoch)
             contribution = dataclasses.replace(contribution, planned_end=attempt.planned_end())

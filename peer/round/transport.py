@@ -64,8 +64,9 @@ class Transport(Protocol):
 
     def prepare(self, epoch: int, state_hash: str, min_group: int, expected_group: int, allreduce_timeout: float,
                 part_timeout: float, probe: Sequence[str], phase: str = GROUP, group: int = -1,
-                meet_at: Optional[float] = None, grace: Optional[float] = None) -> None:
-        """This attempt's group key, expected group and deadlines (``SwarmAverager.prepare_round``); ``phase``: in
+                meet_at: Optional[float] = None, grace: Optional[float] = None, members: Sequence[str] = ()) -> None:
+        """This attempt's group key, expected group (``members``: who, less us) and deadlines
+        (``SwarmAverager.prepare_round``); ``phase``: in
         our group (``group``: which of a round's groups; -1: one group of all), or across the groups' delegates
         (``CROSS``); ``meet_at``: the DHT time the group planned to meet, from which the matchmaking window runs
         if it is later than now; ``grace``: that window's length (None: ``--grace-seconds``)."""
@@ -138,11 +139,11 @@ class SwarmTransport:
 
     def prepare(self, epoch: int, state_hash: str, min_group: int, expected_group: int, allreduce_timeout: float,
                 part_timeout: float, probe: Sequence[str], phase: str = GROUP, group: int = -1,
-                meet_at: Optional[float] = None, grace: Optional[float] = None) -> None:
+                meet_at: Optional[float] = None, grace: Optional[float] = None, members: Sequence[str] = ()) -> None:
         self.meet_at, self.grace = meet_at, grace or self.grace_seconds
         self.averager.prepare_round(epoch, state_hash, min_group, expected_group, allreduce_timeout=allreduce_timeout,
                                     part_timeout=part_timeout, probe=probe, phase=phase, group=group,
-                                    patience=self.grace)
+                                    patience=self.grace, members=members)
         self.phase = phase
 
     def receive(self, delegate: str, epoch: int, state_hash: str, aligned: bool, timeout: float,

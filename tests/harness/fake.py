@@ -111,10 +111,10 @@ class FakeTransport:
         yield self.tensors
 
     def prepare(self, epoch, state_hash, min_group, expected_group, allreduce_timeout, part_timeout, probe,
-                phase="group", group=-1, meet_at=None, grace=None) -> None:
+                phase="group", group=-1, meet_at=None, grace=None, members=()) -> None:
         self.prepared.append(dict(epoch=epoch, hash=state_hash, min_group=min_group, expected=expected_group,
                                   probe=tuple(probe), phase=phase, group=group, meet_at=meet_at,
-                                  grace=grace))
+                                  grace=grace, members=tuple(members)))
 
     def average(self, contribution: Contribution, weight: float, timeout: float,
                 abandon: Callable[[], bool] = lambda: False) -> Averaged:
