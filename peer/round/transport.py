@@ -66,10 +66,10 @@ class Transport(Protocol):
                 part_timeout: float, probe: Sequence[str], phase: str = GROUP, group: int = -1,
                 meet_at: Optional[float] = None, grace: Optional[float] = None, members: Sequence[str] = ()) -> None:
         """This attempt's group key, expected group (``members``: who, less us) and deadlines
-        (``SwarmAverager.prepare_round``); ``phase``: in
-        our group (``group``: which of a round's groups; -1: one group of all), or across the groups' delegates
-        (``CROSS``); ``meet_at``: the DHT time the group planned to meet, from which the matchmaking window runs
-        if it is later than now; ``grace``: that window's length (None: ``--grace-seconds``)."""
+        (``SwarmAverager.prepare_round``); ``phase``: in our group (``group``: which of a round's groups; -1: one
+        group of all), or across the groups' delegates (``CROSS``); ``meet_at``: the DHT time the group planned to
+        meet, from which the matchmaking window runs if it is later than now; ``grace``: that window's length (None:
+        ``--grace-seconds``)."""
 
     def average(self, contribution: Union[Contribution, Delegation], weight: float, timeout: float,
                 abandon: Callable[[], bool] = lambda: False) -> Averaged:
