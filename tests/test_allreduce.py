@@ -10,10 +10,11 @@ import signal
 import pytest
 import torch
 from diloco_compression import get_codec
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
+from dht import internals
 from dht.node import LOOPBACK, DHTConfig, start_dht
 from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.averager import SwarmAverager
@@ -48,13 +49,16 @@ class killer(Hooks):
 
 
 class gate(Hooks):
-    """Holds the averager process at ``phase`` until the test sets ``opened`` (a multiprocessing event)."""
+    """Holds the averager process at ``phase`` until the test sets ``opened`` (a multiprocessing event); sets
+    ``reached``, if given, as it begins to hold."""
 
-    def __init__(self, phase, opened):
-        self.phase, self.opened = phase, opened
+    def __init__(self, phase, opened, reached=None):
+        self.phase, self.opened, self.reached = phase, opened, reached
 
     def at(self, phase, epoch):
         if phase == self.phase:
+            if self.reached is not None:
+                self.reached.set()
             self.opened.wait(30)
 
 
@@ -193,6 +197,32 @@ def test_groupmates_that_miss_a_ping_keep_their_connections_mid_all_reduce(dhts)
         for averager in averagers:
             averager.shutdown()
 
+async def _disconnect(peer_id, _dht, node):
+    """(DHT process) Close our p2p daemon's connection to ``peer_id``, with every stream on it, as the daemon itself
+    does when a write misses yamux's deadline on a thin link."""
+    await internals.disconnect(internals.dht_p2p(node), PeerID.from_base58(peer_id))
+
+
+def test_a_connection_reset_mid_all_reduce_is_resumed_and_members_still_agree(dhts):
+    """On a thin link the p2p daemon closes a connection whose write waits past yamux's deadline, and every stream on
+    it resets; that failed the round for the whole group (bench/results/wan.md). Member 2 is held mid-way as reducer,
+    with member 0's parts sent and none answered, while the daemons' connection between 0 and 2 is closed: both
+    resume their streams where they broke, over a new connection, and the round completes bit-identical."""
+    opened, reached = multiprocessing.Event(), multiprocessing.Event()
+    averagers = make_averagers(dhts, "reset", "none", hooks=(None, None, gate(REDUCE, opened, reached)))
+    try:
+        controls = run_round(averagers, [torch.full((SIZE,), float(i)) for i in range(3)], [1, 1, 1])
+        assert reached.wait(30), "member 2 never began to reduce"
+        dhts[0].run_coroutine(functools.partial(_disconnect, averagers[2].peer_id.to_base58()))
+        opened.set()
+        outcomes = [control.result(timeout=60) for control in controls]
+        assert_met_as_one(averagers, outcomes)
+    finally:
+        opened.set()
+        for averager in averagers:
+            averager.shutdown()
+
+
 def test_a_member_with_no_work_takes_the_others_mean_and_offends_nobody(dhts):
     """Weight 0: a peer that dropped its stale rounds (--max-staleness) as the next round began, so whatever its
     vector holds counts for nothing. Its reducers once took weight 0 for a malformed part and counted an offence
@@ -228,9 +258,9 @@ class TamperingRunner(ExactAllReduceRunner):
 
     rounds = 0
 
-    async def _generate_input_for_peer(self, peer_index):
+    async def _generate_input_for_peer(self, peer_index, start=0):
         _, tamper, _ = TAMPERINGS[TamperingRunner.rounds % len(TAMPERINGS)]
-        async for message in super()._generate_input_for_peer(peer_index):
+        async for message in super()._generate_input_for_peer(peer_index, start):
             tamper(message.tensor_part)
             yield message
 

@@ -11,6 +11,9 @@ RPCs:
 - a sender that fails, a reducer that fails or sends a malformed averaged part aborts the whole
   all-reduce with ``GroupLostMember``; the caller retries from its saved tensors, unless it is
   ``MaybeApplied``: our own reducer had finished, so other members may have applied the round;
+- a stream that breaks mid-way (the p2p daemon resets a connection whose write waits too long, on a thin
+  link) is not a failure yet: its sender resumes it on a new stream from the averaged parts it has, and the
+  reducer, whose sums are idempotent per sender and part, answers it, for ``sender_timeout``;
 - each reducer combines a part robustly (``peer/averaging/robust.py``): a malformed part (wrong shape, dtype,
   size or bytes, or a bad weight) or a non-finite one is rejected, a part far from the others is clipped
   or rejected, and a banned sender's parts are ignored; the offenders are reported.
@@ -19,6 +22,7 @@ RPCs:
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import AsyncIterator, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
@@ -26,9 +30,9 @@ from diloco_compression import Codec
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode, GroupID
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo
-from hivemind.p2p import P2P, PeerID, ServicerBase
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished
 
 from peer.averaging.robust import Offence, robust_mean
 from peer.hooks import REDUCE, SEND, Hooks
@@ -36,6 +40,10 @@ from peer.swarm.failures import GroupLostMember
 
 PART_BYTES = (1 << 16, 1 << 20)  # the smallest and the largest part an all-reduce streams, in nominal encoded bytes
 PARTS_PER_SHARE = 8  # parts each reducer's share is cut into, where that keeps parts at least the smallest
+RESUMES = 3  # times a sender resumes its stream to one reducer in one all-reduce
+RESUME_PREFIX = b"resume-from:"
+
+logger = logging.getLogger(__name__)
 
 
 def part_bytes(values: int, reducers: int, codec: Codec) -> int:
@@ -143,25 +151,36 @@ class RobustPartReducer(ExactPartReducer):
         self.collected: Dict[int, Tuple[torch.Tensor, float]] = {}
         self.clip_factor, self.ignored, self.on_offence = clip_factor, set(ignored), on_offence
         self.completed = not part_shapes  # every part of ours averaged (and so sent to whoever asked)
+        self.part_futures: Dict[int, asyncio.Future] = {}  # part index -> its average, kept for resumed streams
+        self.accumulated = [0] * num_senders  # how many of each sender's parts are in
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self) -> None:
         super().reset_accumulators()
         self.collected = {}
+        self.part_futures.setdefault(self.current_part_index, self.current_part_future)
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: Optional[torch.Tensor],
                               weight: float = 1.0) -> torch.Tensor:
-        if self.finished.is_set():
+        """Add a sender's part and await the part's average. A part that is in already (a resumed stream sends
+        again what its broken one had sent, ``ExactAllReduceRunner.rpc_aggregate_part``) only awaits the average."""
+        if self.finished.is_set() and part_index >= self.accumulated[sender_index]:
             raise GroupLostMember("the reduction was aborted")
-        self.num_parts_received[sender_index] += 1
         while part_index > self.current_part_index:  # wait for the earlier parts to be reduced
             await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
                                return_when=asyncio.FIRST_COMPLETED)
             if self.finished.is_set():
                 raise GroupLostMember("the reduction was aborted")
+        if part_index < self.accumulated[sender_index]:
+            return await asyncio.shield(self.part_futures[part_index])
+        if part_index != self.accumulated[sender_index]:
+            raise GroupLostMember(f"sender #{sender_index} sent part {part_index} before part "
+                                  f"{self.accumulated[sender_index]}")
+        self.num_parts_received[sender_index] += 1
         future = self.current_part_future
         if sender_index not in self.ignored and tensor_part is not None:  # None: rejected as malformed
             self.collected[sender_index] = (tensor_part, weight)
+        self.accumulated[sender_index] += 1
         self.current_part_accumulated_from += 1
         self.check_current_part_finished()
         # every sender's stream and our own part await this one future; hivemind cancels a stream handler's task
@@ -228,10 +247,18 @@ class ExactAllReduceRunner(AllReduceRunner):
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids), clip_factor,
             ignored={i for i, peer in enumerate(self.sender_peer_ids) if peer in banned}, on_offence=self._offence,
         )
-        self._encoded: Dict[int, asyncio.Future] = {}
+        self._encoded: Dict[int, asyncio.Future] = {}  # averaged parts we reduce, encoded once
         # every averaged part as encoded by its reducer, keyed (reducer index, part index): what every member decoded
         self.outputs: Dict[Tuple[int, int], runtime_pb2.Tensor] = {}
         self.hooks, self.epoch = hooks, epoch  # a harness may strike at SEND and REDUCE of this round
+        # resumed streams (``rpc_aggregate_part``): as a sender, our encoded parts per reducer, the reducers we have
+        # streamed to, and what broke a stream; as a reducer, each sender's latest stream and those awaiting resume
+        self._inputs: Dict[int, Dict[int, asyncio.Future]] = {}
+        self._streams_opened: Set[int] = set()
+        self.broken: Dict[int, str] = {}
+        self.resumed = 0  # streams to reducers we resumed
+        self._streams: Dict[int, int] = {}
+        self._awaiting_resume: Dict[int, asyncio.TimerHandle] = {}
 
     def _init_hivemind_fields(self, p2p: P2P, servicer_type: Type[ServicerBase], prefix: Optional[str],
                               group_id: GroupID, ordered_peer_ids: Sequence[PeerID], peer_fractions: Tuple[float, ...],
@@ -270,15 +297,17 @@ class ExactAllReduceRunner(AllReduceRunner):
     def _fire(self, phase: str) -> None:
         self.hooks.at(phase, self.epoch)
 
-    def _encode_once(self, part_index: int, averaged: torch.Tensor) -> asyncio.Future:
-        """Encode the averaged part the first time any member asks; everyone gets those same bytes."""
+    async def _encode_once(self, part_index: int, averaged: torch.Tensor) -> runtime_pb2.Tensor:
+        """Encode the averaged part the first time any member asks; everyone gets those same bytes. Shielded: a
+        stream's handler cancelled as its stream breaks would cancel the encoding for everyone else."""
         if part_index not in self._encoded:
             loop = asyncio.get_event_loop()
             self._encoded[part_index] = loop.run_in_executor(None, self.compression.compress, averaged, None)
-        return self._encoded[part_index]
+        return await asyncio.shield(self._encoded[part_index])
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
-        """Send our part to ``peer_id``'s reducer and receive the averaged part back."""
+        """Send our part to ``peer_id``'s reducer and receive the averaged part back; a stream that breaks mid-way
+        (a connection reset) is resumed where it broke, up to ``RESUMES`` times."""
         peer_index = self.ordered_peer_ids.index(peer_id)
         container = self.tensor_part_container
         try:
@@ -292,56 +321,174 @@ class ExactAllReduceRunner(AllReduceRunner):
                     self.outputs[peer_index, part_index] = encoded
                     container.register_processed_part(peer_index, part_index, self.compression.extract(encoded))
                 return
-
-            done_sending = asyncio.Event()
-            inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
-            if self.should_delay_results(self.peer_id):
-                await done_sending.wait()
-
-            shapes = iter([part.shape for part, _ in container._input_parts_by_peer[peer_index]])  # what it reduces
-
-            def decode(message: averaging_pb2.AveragingData) -> Tuple[torch.Tensor, runtime_pb2.Tensor]:
-                if message.code != averaging_pb2.AVERAGED_PART:
-                    raise GroupLostMember(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-                shape = next(shapes, None)
-                if shape is None:
-                    raise GroupLostMember(f"{peer_id} sent more averaged parts than it reduces")
-                try:
-                    return self.compression.extract_expected(message.tensor_part, shape), message.tensor_part
-                except ValueError as e:
-                    raise GroupLostMember(f"{peer_id} sent a malformed averaged part: {e}") from None
-
-            part_index = 0
-            async for averaged, encoded in amap_in_executor(
-                decode, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=container.prefetch
-            ):
-                self.outputs[peer_index, part_index] = encoded
-                container.register_processed_part(peer_index, part_index, averaged)
-                part_index += 1
-            if part_index != container.num_parts_by_peer[peer_index]:
-                raise GroupLostMember(
-                    f"{peer_id} sent {part_index} of {container.num_parts_by_peer[peer_index]} averaged parts"
-                )
+            expected = container.num_parts_by_peer[peer_index]
+            received = 0  # averaged parts registered from this reducer, over all of its streams
+            for resume in range(RESUMES + 1):
+                async for averaged, encoded in self._exchange(peer_id, peer_index, received):
+                    self.outputs[peer_index, received] = encoded
+                    container.register_processed_part(peer_index, received, averaged)
+                    self._inputs.get(peer_index, {}).pop(received, None)  # never sent again
+                    received += 1
+                broken = self.broken.pop(peer_index, None)
+                if received == expected:
+                    return
+                if resume == RESUMES or container.finished.is_set():
+                    break
+                self.resumed += 1
+                logger.info(f"the stream to {peer_id} broke after {received} of {expected} averaged parts "
+                            f"({broken or 'it ended'}); resuming it")
+            raise GroupLostMember(f"{peer_id} sent {received} of {expected} averaged parts"
+                                  + (f" ({broken})" if broken else ""))
         except BaseException as e:
             container.failure = container.failure or f"lost reducer {peer_id}: {e!r}"
             container.register_failed_reducer(peer_index)
             raise
 
-    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        first = True
-        async for message in super()._generate_input_for_peer(peer_index):
+    async def _exchange(self, peer_id: PeerID, peer_index: int,
+                        start: int) -> AsyncIterator[Tuple[torch.Tensor, runtime_pb2.Tensor]]:
+        """One stream to a reducer: our parts from ``start`` on, out; their averages, decoded, in. A stream that
+        breaks ends early, with what broke it in ``broken``; a reducer that answers wrongly or not in time raises."""
+        container = self.tensor_part_container
+        done_sending = asyncio.Event()
+        inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index, start), done_sending)
+        shapes = iter([part.shape for part, _ in container._input_parts_by_peer[peer_index]][start:])
+
+        def decode(message: averaging_pb2.AveragingData) -> Tuple[torch.Tensor, runtime_pb2.Tensor]:
+            if message.code != averaging_pb2.AVERAGED_PART:
+                raise GroupLostMember(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+            shape = next(shapes, None)
+            if shape is None:
+                raise GroupLostMember(f"{peer_id} sent more averaged parts than it reduces")
+            try:
+                return self.compression.extract_expected(message.tensor_part, shape), message.tensor_part
+            except ValueError as e:
+                raise GroupLostMember(f"{peer_id} sent a malformed averaged part: {e}") from None
+
+        try:
+            stream = await asyncio.wait_for(self._get_peer_stub(peer_id).rpc_aggregate_part(inputs),
+                                            self.reducer_timeout)  # a dial to a peer gone silent does not return
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+            async for decoded in amap_in_executor(
+                decode, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=container.prefetch
+            ):
+                yield decoded
+        except (GroupLostMember, asyncio.TimeoutError):  # the reducer's own doing, or its silence: no resume
+            raise
+        except Exception as e:  # the stream broke: a reset connection, a closed stream, a failed dial
+            self.broken[peer_index] = repr(e)
+
+    async def _generate_input_for_peer(self, peer_index: int,
+                                       start: int = 0) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Our parts for one reducer, from ``start`` on. The first message names the group and, on any stream to that
+        reducer after the first, where it resumes. Each part is encoded once, and kept until its average is back."""
+        encoded = self._inputs.setdefault(peer_index, {})
+        parts = self.tensor_part_container._input_parts_by_peer[peer_index]
+        loop = asyncio.get_event_loop()
+        resumed = peer_index in self._streams_opened
+        self._streams_opened.add(peer_index)
+        for part_index in range(start, len(parts)):
+            for ahead in range(part_index, min(part_index + 1 + self.tensor_part_container.prefetch, len(parts))):
+                if ahead not in encoded:
+                    encoded[ahead] = loop.run_in_executor(None, self.compression.compress, *parts[ahead])
+            part = await asyncio.shield(encoded[part_index])  # a broken stream's cancel must not cancel the encoding
+            message = averaging_pb2.AveragingData(tensor_part=part, weight=self.weight)
+            if part_index == start:
+                message.code, message.group_id = averaging_pb2.PART_FOR_AVERAGING, self.group_id
+                if resumed:
+                    message.peer_id = resume_marker(start)
             yield message
-            if first:
-                first = False
+            if part_index == start and not resumed:
                 self._fire(SEND)  # a fault plan may strike this peer while it is sending
 
-    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData],
-                                          sender_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """Reduce one sender's parts; reply with the shared encoding of each averaged part."""
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A groupmate sends us its parts of our share; we answer each with its average. A stream that breaks mid-way
+        is a sender gone quiet, not a sender gone: it has ``sender_timeout`` to resume it on a new stream, from the
+        averaged parts it has, before it is dropped (and the reduction with it). hivemind's handler dropped it at once,
+        and a connection reset failed the round for the whole group."""
+        if context.remote_id not in self.sender_peer_ids:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        sender_index = self.sender_peer_ids.index(context.remote_id)
+        self.active_senders.add(context.remote_id)
+        if len(self.active_senders) == len(self.sender_peer_ids):
+            self.all_senders_started.set()
+        number = self._attach(sender_index)
+        try:
+            request = await asyncio.wait_for(anext(stream), self.sender_timeout)
+            start = resumed_from(request)
+            reject = self._check_reasons_to_reject(request, context, resumed=start is not None)
+            if reject is None and (request.code != averaging_pb2.PART_FOR_AVERAGING or start is not None and not (
+                    0 <= start <= min(self.tensor_part_reducer.accumulated[sender_index],
+                                      self.tensor_part_reducer.num_parts - 1))):
+                reject = averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            if reject is not None:
+                yield reject
+                if reject.code == averaging_pb2.PROTOCOL_VIOLATION:
+                    await self._ban_sender(context.remote_id)
+                else:  # it superseded any earlier stream of this sender: that one's wait for a resume goes on
+                    self._detach(sender_index, number, f"refused: {averaging_pb2.MessageCode.Name(reject.code)}")
+                return
+            start = start or 0
+            parts = aiter_with_timeout(achain(as_aiter(request), stream), self.sender_timeout)
+            replies = self._accumulate_parts_streaming(parts, sender_index, start)
+            if self.should_delay_results(context.remote_id):  # a client takes its averages once it has sent all
+                replies = as_aiter(*[reply async for reply in replies])
+            async for reply in replies:
+                yield reply
+                start += 1
+            if start < self.tensor_part_reducer.num_parts:
+                self._detach(sender_index, number, "its stream ended")
+        except (GroupLostMember, asyncio.TimeoutError) as e:  # its parts were wrong, or did not come in time
+            await self._ban_sender(context.remote_id)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+            logger.debug(f"dropped sender {context.remote_id}: {e!r}")
+        except BaseException as e:  # the stream broke (hivemind cancels the handler of a closed stream)
+            self._detach(sender_index, number, repr(e))
+            raise
+
+    def _check_reasons_to_reject(self, request: averaging_pb2.AveragingData, context: P2PContext,
+                                 resumed: bool = False) -> Optional[averaging_pb2.AveragingData]:
+        """hivemind's checks, except that a resumed stream is still answered once our all-reduce has finished."""
+        if resumed and self._future.done() and not self._future.cancelled() and self._future.exception() is None:
+            return None if request.group_id == self.group_id else averaging_pb2.AveragingData(
+                code=averaging_pb2.BAD_GROUP_ID)
+        return super()._check_reasons_to_reject(request, context)
+
+    def _attach(self, sender_index: int) -> int:
+        """A stream of this sender begins: it supersedes any earlier one. Returns its number."""
+        waiting = self._awaiting_resume.pop(sender_index, None)
+        if waiting is not None:
+            waiting.cancel()
+        self._streams[sender_index] = self._streams.get(sender_index, 0) + 1
+        return self._streams[sender_index]
+
+    def _detach(self, sender_index: int, number: int, why: str) -> None:
+        """This sender's stream ``number`` broke before all its averages went back: drop the sender unless it resumes
+        within ``sender_timeout`` (a later stream of it carries on, and then this one's end means nothing)."""
+        if self._streams.get(sender_index) != number or sender_index in self._awaiting_resume:
+            return
+        peer = self.sender_peer_ids[sender_index]
+        logger.debug(f"the stream from {peer} broke ({why}); waiting {self.sender_timeout:.1f}s for it to resume")
+
+        def drop() -> None:
+            if self._streams.get(sender_index) == number:
+                asyncio.ensure_future(self._ban_sender(peer))
+
+        self._awaiting_resume[sender_index] = asyncio.get_event_loop().call_later(self.sender_timeout, drop)
+
+    @property
+    def owes_answers(self) -> bool:
+        """A sender's stream broke before it had all its averages: it may still resume."""
+        return bool(self._awaiting_resume)
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int,
+                                          start: int = 0) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Reduce one sender's parts from ``start`` on; reply with the shared encoding of each averaged part."""
         reducer = self.tensor_part_reducer
-        part_index = 0
-        shapes = iter(reducer.part_shapes)
+        part_index = start
+        shapes = iter(reducer.part_shapes[start:])
 
         def decode(message: averaging_pb2.AveragingData) -> Tuple[Optional[torch.Tensor], float, Optional[str]]:
             """(part, weight, None), or (None, weight, what is wrong with it); called in the order parts come."""
@@ -355,16 +502,25 @@ class ExactAllReduceRunner(AllReduceRunner):
             except ValueError as e:
                 return None, message.weight, str(e)
 
-        try:
-            async for part, weight, malformed in amap_in_executor(decode, stream, max_prefetch=1):
-                if part_index == 0:
-                    self._fire(REDUCE)  # a fault plan may strike this peer while it is reducing
-                if malformed is not None:  # dropped like a non-finite part; the others' average goes on
-                    self._offence(Offence(sender_index, "malformed", f"part {part_index}: {malformed}"))
-                averaged = await reducer.accumulate_part(sender_index, part_index, part, weight=weight)
-                encoded = await self._encode_once(part_index, averaged)
-                part_index += 1
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
-        finally:
-            if part_index != reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+        async for part, weight, malformed in amap_in_executor(decode, stream, max_prefetch=1):
+            if part_index == 0:
+                self._fire(REDUCE)  # a fault plan may strike this peer while it is reducing
+            if malformed is not None:  # dropped like a non-finite part; the others' average goes on
+                self._offence(Offence(sender_index, "malformed", f"part {part_index}: {malformed}"))
+            averaged = await reducer.accumulate_part(sender_index, part_index, part, weight=weight)
+            encoded = await self._encode_once(part_index, averaged)
+            part_index += 1
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+
+
+def resume_marker(start: int) -> bytes:
+    """What a resumed stream's first message carries (in ``peer_id``, which hivemind's all-reduce leaves unused)."""
+    return RESUME_PREFIX + str(start).encode()
+
+
+def resumed_from(message: averaging_pb2.AveragingData) -> Optional[int]:
+    """The part a resumed stream starts at (None: a fresh stream; -1: a marker that names no part)."""
+    if not message.peer_id.startswith(RESUME_PREFIX):
+        return None
+    digits = message.peer_id[len(RESUME_PREFIX):]
+    return int(digits) if digits.isdigit() and len(digits) < 10 else -1

@@ -21,15 +21,17 @@ import ctypes
 import hashlib
 import logging
 import multiprocessing as mp
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from diloco_compression import Codec
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AveragingMode
 from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
+from hivemind.utils.asyncio import achain, as_aiter, azip, enter_asynchronously
 
 from dht import internals
 from dht.node import drop_connections, init_child_process
@@ -94,6 +96,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         self._probe_task: Optional[asyncio.Task] = None  # this round's liveness probe (averager process)
         self._leaders: Optional[RecordLeaders] = None  # whom this round's matchmaking asks to lead (averager process)
         self._in_use = InUse()  # the peers we exchange streams with now (averager process)
+        self._lingering: Dict[bytes, ExactAllReduceRunner] = {}  # finished all-reduces still answering resumes
         self.has_moment = moment is not None
         tensors = [delta] + ([moment] if moment is not None else [])
         super().__init__(
@@ -251,6 +254,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         finally:
             if runner is not None:
                 internals.retrieve_runner_error(runner)
+        self._linger(group_info.group_id, runner)
         if self.round_phase == CROSS or self.round_group < 0:
             # the round's result, served: to our groupmates (from every delegate, in a round of many groups), and to
             # any peer that missed the round and replays it (``StateCatchUp``); a group's own average in a round of
@@ -264,6 +268,21 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
                         offences=self.bans.judge(runner.offences, runner.severe),
                         groups=len(group_info.peer_ids) if self.round_phase == CROSS else 1,
                         reduced=_share(peer_fractions, list(group_info.peer_ids).index(self.peer_id)))
+
+    def _linger(self, group_id: bytes, runner: ExactAllReduceRunner) -> None:
+        """Keep answering groupmates that resume a broken stream (``ExactAllReduceRunner.rpc_aggregate_part``) for
+        as long as a sender may take to resume, now that our own all-reduce is over and hivemind forgets the group."""
+        self._lingering[group_id] = runner
+        asyncio.get_event_loop().call_later(self.part_timeout, self._lingering.pop, group_id, None)
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's routing of a groupmate's parts to its group's all-reduce, and to one that lingers."""
+        request = await anext(stream)
+        runner = self._lingering.get(request.group_id)
+        route = super().rpc_aggregate_part if runner is None else runner.rpc_aggregate_part
+        async for message in route(achain(as_aiter(request), stream), context):
+            yield message
 
     def _read_gathered(self, peer_ids: Sequence[Any], user_bytes: Sequence[bytes]) -> Gathered:
         """Every member's word (a contribution; a delegation in the cross-group phase), and ``grouping.admit``'s
