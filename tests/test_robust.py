@@ -122,3 +122,29 @@ def test_a_sender_whose_stream_is_cancelled_fails_the_part_as_its_own_loss():
 
     asyncio.run(run())
 
+
+
+def test_a_resumed_stream_sends_a_part_again_and_it_counts_once():
+    """A sender whose stream broke resumes it from the averages it has and sends again a part that is in already
+    (``ExactAllReduceRunner.rpc_aggregate_part``): the reducer answers it with that part's average and adds it once;
+    a part sent out of order fails the reduction by name."""
+    import asyncio
+
+    from peer.averaging.allreduce import RobustPartReducer
+    from peer.swarm.failures import GroupLostMember
+
+    async def run():
+        shapes = (torch.Size([4]), torch.Size([4]))
+        reducer = RobustPartReducer(shapes, 2, clip_factor=0.0, ignored=set(), on_offence=lambda o: None)
+        broken = asyncio.create_task(reducer.accumulate_part(1, 0, torch.full((4,), 3.0)))
+        await asyncio.sleep(0)
+        broken.cancel()  # its stream broke while its part waited for ours
+        again = asyncio.create_task(reducer.accumulate_part(1, 0, torch.full((4,), 3.0)))
+        own = await reducer.accumulate_part(0, 0, torch.ones(4))
+        assert torch.equal(own, torch.full((4,), 2.0)) and torch.equal(await again, own)  # (1 + 3) / 2, not / 3
+        assert reducer.accumulated == [1, 1]
+        with pytest.raises(GroupLostMember, match="sent part 1 before part 0"):
+            await RobustPartReducer(shapes, 2, clip_factor=0.0, ignored=set(),
+                                    on_offence=lambda o: None).accumulate_part(1, 1, torch.ones(4))
+
+    asyncio.run(run())

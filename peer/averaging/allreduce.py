@@ -164,7 +164,10 @@ class RobustPartReducer(ExactPartReducer):
                               weight: float = 1.0) -> torch.Tensor:
         """Add a sender's part and await the part's average. A part that is in already (a resumed stream sends
         again what its broken one had sent, ``ExactAllReduceRunner.rpc_aggregate_part``) only awaits the average."""
-        if self.finished.is_set() and part_index >= self.accumulated[sender_index]:
+        if part_index > self.accumulated[sender_index]:
+            raise GroupLostMember(f"sender #{sender_index} sent part {part_index} before part "
+                                  f"{self.accumulated[sender_index]}")
+        if self.finished.is_set() and part_index == self.accumulated[sender_index]:
             raise GroupLostMember("the reduction was aborted")
         while part_index > self.current_part_index:  # wait for the earlier parts to be reduced
             await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
@@ -173,9 +176,6 @@ class RobustPartReducer(ExactPartReducer):
                 raise GroupLostMember("the reduction was aborted")
         if part_index < self.accumulated[sender_index]:
             return await asyncio.shield(self.part_futures[part_index])
-        if part_index != self.accumulated[sender_index]:
-            raise GroupLostMember(f"sender #{sender_index} sent part {part_index} before part "
-                                  f"{self.accumulated[sender_index]}")
         self.num_parts_received[sender_index] += 1
         future = self.current_part_future
         if sender_index not in self.ignored and tensor_part is not None:  # None: rejected as malformed
