@@ -128,7 +128,7 @@ class SimPeer:
                 scheduler.sleep(self.step_seconds)
                 self.train()
                 done += 1
-                self.round_clock.watch()
+                self.round_clock.watch(done)
             self.pending_tokens += done * swarm.tokens_per_step
             self.pending_rounds += 1
             compute = scheduler.now - start  # the steps' time, not the wait for the sync in flight below

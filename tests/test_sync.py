@@ -266,6 +266,35 @@ def test_a_round_lined_up_from_the_records_skips_the_plans_of_the_round_just_end
     assert round_clock.target == 1001.0 and plans[-1] == 1001.0
 
 
+def test_a_first_round_plans_by_the_pace_of_its_first_steps_and_lines_up_with_the_others():
+    """A swarm's first round begins with no pace known, so with no plan, and every peer did its H steps: with steps 1-10
+    s long they came to matchmaking minutes apart, and 72 of 256 first syncs found no group (``bench.scale``). Once its
+    first steps tell its pace, a peer publishes H steps at it, and lines up with the plans of the others."""
+    clock, plans = FakeClock(), []
+    mine = record("me", 0, "s", 0)
+    records = {"fast": record("fast", 0, "s", 0)}  # holds our state, no plan yet
+    catchup = SimpleNamespace(catch_up=lambda timeout, poll=False: SimpleNamespace(adopted=False),
+                              holders_syncing=lambda: False)
+    run = RunConfig(align_every=0, inner_steps=100).resolved()
+    round_clock = RoundClock(run, catchup, SimpleNamespace(records=records), SimpleNamespace(record=lambda: mine),
+                             threading.Event(), clock, plans.append)
+    assert round_clock.begin() == 100 and round_clock.target is None and plans == [None]
+    clock.sleep(10.0)
+    round_clock.watch(2)  # 2 steps of 5 s: too few to tell a pace
+    assert plans == [None] and not round_clock.aligned
+    clock.sleep(5.0)
+    round_clock.watch(3)  # 97 more steps of 5 s: our plan, published
+    assert plans == [None, 1015.0 + 97 * 5.0] and round_clock.target == plans[-1] and not round_clock.aligned
+    records["fast"] = record("fast", 0, "s", 0, next_sync_at=1100.0)  # a faster peer's plan
+    clock.sleep(5.0)
+    round_clock.watch(4)
+    assert round_clock.aligned and round_clock.target == 1100.0 and plans[-1] == 1100.0
+    clock.sleep(75.0)
+    assert not round_clock.over(19)  # 5-s steps: the 20th ends at 1100, as planned
+    clock.sleep(5.0)
+    assert round_clock.over(20)  # a 21st would end after it
+
+
 def test_a_peer_lined_up_with_holders_in_a_sync_replays_its_result_as_soon_as_it_ends():
     """With overlap, holders in a sync meet next with its result. A peer that had missed their group and lined up with
     them sat on the state it caught up to until its round ended, then met them one epoch behind, replayed, and missed

@@ -117,7 +117,7 @@ class Peer:
         def on_step(step: int, loss: float, lr: float) -> None:
             elapsed, tokens = time.monotonic() - round_start, step * run.batch_size * run.seq_len
             self.reporter.step(step, loss, tokens / max(elapsed, 1e-9))
-            clock.watch()
+            clock.watch(step)
             # the round so far, should this process die; with overlap once the sync in flight has ended (a sync that
             # runs changes the state under the round)
             if not (self.inflight is not None and self.inflight.running()) and self._checkpoint_due():
