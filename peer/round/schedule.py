@@ -10,9 +10,10 @@
   up mid-round (keeping its work) and takes the swarm's end time as its own.
 
 Within the deadline a faster peer may do up to 2H steps and a slower one fewer, so nobody idles at
-matchmaking; a peer alone, or before any pace is known, does exactly H steps. A round the group stretched to outlast
-its syncs (overlap on a thin link) allows as many more. (With fragments, H/F steps in place
-of H: ``RunConfig.round_steps``.)
+matchmaking; a peer alone does exactly H steps. A round begun before any pace is known plans by the pace of its first
+steps (``RoundClock._first_plan``), so that a swarm started together meets together. A round the group stretched
+to outlast its syncs (overlap on a thin link) allows as many more. (With fragments, H/F steps in place of H:
+``RunConfig.round_steps``.)
 """
 
 from __future__ import annotations
