@@ -252,13 +252,11 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.outputs: Dict[Tuple[int, int], runtime_pb2.Tensor] = {}
         self.hooks, self.epoch = hooks, epoch  # a harness may strike at SEND and REDUCE of this round
         # resumed streams (``rpc_aggregate_part``): as a sender, our encoded parts per reducer, the reducers we have
-        # streamed to, and what broke a stream; as a reducer, each sender's latest stream and those awaiting resume
+        # streamed to, and what broke a stream; as a reducer, each sender's streams
         self._inputs: Dict[int, Dict[int, asyncio.Future]] = {}
         self._streams_opened: Set[int] = set()
         self.broken: Dict[int, str] = {}
-        self.resumed = 0  # streams to reducers we resumed
-        self._streams: Dict[int, int] = {}
-        self._awaiting_resume: Dict[int, asyncio.TimerHandle] = {}
+        self.senders = SenderStreams(sender_timeout, self._drop_sender)
 
     def _init_hivemind_fields(self, p2p: P2P, servicer_type: Type[ServicerBase], prefix: Optional[str],
                               group_id: GroupID, ordered_peer_ids: Sequence[PeerID], peer_fractions: Tuple[float, ...],
@@ -334,7 +332,6 @@ class ExactAllReduceRunner(AllReduceRunner):
                     return
                 if resume == RESUMES or container.finished.is_set():
                     break
-                self.resumed += 1
                 logger.info(f"the stream to {peer_id} broke after {received} of {expected} averaged parts "
                             f"({broken or 'it ended'}); resuming it")
             raise GroupLostMember(f"{peer_id} sent {received} of {expected} averaged parts"
@@ -414,7 +411,7 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.active_senders.add(context.remote_id)
         if len(self.active_senders) == len(self.sender_peer_ids):
             self.all_senders_started.set()
-        number = self._attach(sender_index)
+        number = self.senders.attach(sender_index)
         try:
             request = await asyncio.wait_for(anext(stream), self.sender_timeout)
             start = resumed_from(request)
@@ -428,7 +425,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                 if reject.code == averaging_pb2.PROTOCOL_VIOLATION:
                     await self._ban_sender(context.remote_id)
                 else:  # it superseded any earlier stream of this sender: that one's wait for a resume goes on
-                    self._detach(sender_index, number, f"refused: {averaging_pb2.MessageCode.Name(reject.code)}")
+                    self.senders.detach(sender_index, number, f"refused: {averaging_pb2.MessageCode.Name(reject.code)}")
                 return
             start = start or 0
             parts = aiter_with_timeout(achain(as_aiter(request), stream), self.sender_timeout)
@@ -439,13 +436,13 @@ class ExactAllReduceRunner(AllReduceRunner):
                 yield reply
                 start += 1
             if start < self.tensor_part_reducer.num_parts:
-                self._detach(sender_index, number, "its stream ended")
+                self.senders.detach(sender_index, number, "its stream ended")
         except (GroupLostMember, asyncio.TimeoutError) as e:  # its parts were wrong, or did not come in time
             await self._ban_sender(context.remote_id)
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
             logger.debug(f"dropped sender {context.remote_id}: {e!r}")
         except BaseException as e:  # the stream broke (hivemind cancels the handler of a closed stream)
-            self._detach(sender_index, number, repr(e))
+            self.senders.detach(sender_index, number, repr(e))
             raise
 
     def _check_reasons_to_reject(self, request: averaging_pb2.AveragingData, context: P2PContext,
@@ -456,32 +453,8 @@ class ExactAllReduceRunner(AllReduceRunner):
                 code=averaging_pb2.BAD_GROUP_ID)
         return super()._check_reasons_to_reject(request, context)
 
-    def _attach(self, sender_index: int) -> int:
-        """A stream of this sender begins: it supersedes any earlier one. Returns its number."""
-        waiting = self._awaiting_resume.pop(sender_index, None)
-        if waiting is not None:
-            waiting.cancel()
-        self._streams[sender_index] = self._streams.get(sender_index, 0) + 1
-        return self._streams[sender_index]
-
-    def _detach(self, sender_index: int, number: int, why: str) -> None:
-        """This sender's stream ``number`` broke before all its averages went back: drop the sender unless it resumes
-        within ``sender_timeout`` (a later stream of it carries on, and then this one's end means nothing)."""
-        if self._streams.get(sender_index) != number or sender_index in self._awaiting_resume:
-            return
-        peer = self.sender_peer_ids[sender_index]
-        logger.debug(f"the stream from {peer} broke ({why}); waiting {self.sender_timeout:.1f}s for it to resume")
-
-        def drop() -> None:
-            if self._streams.get(sender_index) == number:
-                asyncio.ensure_future(self._ban_sender(peer))
-
-        self._awaiting_resume[sender_index] = asyncio.get_event_loop().call_later(self.sender_timeout, drop)
-
-    @property
-    def owes_answers(self) -> bool:
-        """A sender's stream broke before it had all its averages: it may still resume."""
-        return bool(self._awaiting_resume)
+    def _drop_sender(self, sender_index: int) -> None:
+        asyncio.ensure_future(self._ban_sender(self.sender_peer_ids[sender_index]))
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int,
                                           start: int = 0) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -511,6 +484,38 @@ class ExactAllReduceRunner(AllReduceRunner):
             encoded = await self._encode_once(part_index, averaged)
             part_index += 1
             yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+
+
+class SenderStreams:
+    """A reducer's record of each sender's streams: the latest one carries on, and one that breaks before all its
+    averages went back has ``grace`` seconds to be superseded by a resumed one before ``drop`` is called on its
+    sender."""
+
+    def __init__(self, grace: float, drop: Callable[[int], None]):
+        self.grace, self.drop = grace, drop
+        self.latest: Dict[int, int] = {}  # sender index -> the number of its latest stream
+        self.waiting: Dict[int, asyncio.TimerHandle] = {}  # sender index -> its drop, unless it resumes
+
+    def attach(self, sender: int) -> int:
+        """A stream of this sender begins and supersedes any earlier one; returns its number."""
+        waiting = self.waiting.pop(sender, None)
+        if waiting is not None:
+            waiting.cancel()
+        self.latest[sender] = self.latest.get(sender, 0) + 1
+        return self.latest[sender]
+
+    def detach(self, sender: int, number: int, why: str) -> None:
+        """This sender's stream ``number`` broke (or was refused): drop the sender unless it resumes in time. A later
+        stream of it carries on, and then this one's end means nothing."""
+        if self.latest.get(sender) != number or sender in self.waiting:
+            return
+        logger.debug(f"the stream from sender #{sender} broke ({why}); waiting {self.grace:.1f}s for it to resume")
+
+        def drop() -> None:
+            if self.latest.get(sender) == number:
+                self.drop(sender)
+
+        self.waiting[sender] = asyncio.get_event_loop().call_later(self.grace, drop)
 
 
 def resume_marker(start: int) -> bytes:
