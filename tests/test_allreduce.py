@@ -21,7 +21,6 @@ from peer.averaging.averager import SwarmAverager
 from peer.hooks import REDUCE, Hooks
 from peer.outer.state import state_hash
 from peer.swarm.failures import GroupLostMember, NoGroup
-from tests.harness.swarm import wait_until
 
 pytestmark = pytest.mark.slow
 SIZE = 200_003
@@ -177,25 +176,34 @@ def test_bad_parts_are_rejected_and_members_still_agree(dhts):
             averager.shutdown()
 
 
+def meet_with_member_2_held_mid_reduce(dhts, prefix, while_held):
+    """A round of deltas 0, 1 and 2, member 2 held as it begins to reduce (member 0's parts sent, none answered) while
+    ``while_held(averagers)`` runs; the three must still meet as one and hold the mean, bit-identical."""
+    opened, reached = multiprocessing.Event(), multiprocessing.Event()
+    averagers = make_averagers(dhts, prefix, "none", hooks=(None, None, gate(REDUCE, opened, reached)))
+    try:
+        controls = run_round(averagers, [torch.full((SIZE,), float(i)) for i in range(3)], [1, 1, 1])
+        assert reached.wait(30), "member 2 never began to reduce"
+        while_held(averagers)
+        opened.set()
+        assert_met_as_one(averagers, [control.result(timeout=60) for control in controls])
+    finally:
+        opened.set()
+        for averager in averagers:
+            averager.shutdown()
+
+
 def test_groupmates_that_miss_a_ping_keep_their_connections_mid_all_reduce(dhts):
     """On a thin link a DHT ping waits seconds behind the all-reduce's bytes and goes unanswered; the peer then closed
     its connection to that groupmate, and every stream of the all-reduce on it (11-12 of a run's 76-89 fragment
     syncs on the hard row were lost so, bench/results/wan.md). The averager keeps its all-reduce's connections.
     (Dropping them once it is over is left out: the DHT nodes are the module's, shared with the tests after.)"""
-    opened = multiprocessing.Event()
-    averagers = make_averagers(dhts, "keep", "none", hooks=(None, None, gate(REDUCE, opened)))
-    try:
-        controls = run_round(averagers, [torch.full((SIZE,), float(i)) for i in range(3)], [1, 1, 1])
-        assert wait_until(lambda: controls[0].began_allreduce, 30, "the all-reduce to begin")
+    def drop(averagers):
         groupmates = sorted(averager.peer_id.to_base58() for averager in averagers[1:])
-        assert averagers[0].drop_connections(groupmates).result(timeout=10) == []  # held at reducer #2: mid-way
-        opened.set()
-        outcomes = [control.result(timeout=60) for control in controls]
-        assert_met_as_one(averagers, outcomes)
-    finally:
-        opened.set()
-        for averager in averagers:
-            averager.shutdown()
+        assert averagers[0].drop_connections(groupmates).result(timeout=10) == []
+
+    meet_with_member_2_held_mid_reduce(dhts, "keep", drop)
+
 
 async def _disconnect(peer_id, _dht, node):
     """(DHT process) Close our p2p daemon's connection to ``peer_id``, with every stream on it, as the daemon itself
@@ -205,22 +213,11 @@ async def _disconnect(peer_id, _dht, node):
 
 def test_a_connection_reset_mid_all_reduce_is_resumed_and_members_still_agree(dhts):
     """On a thin link the p2p daemon closes a connection whose write waits past yamux's deadline, and every stream on
-    it resets; that failed the round for the whole group (bench/results/wan.md). Member 2 is held mid-way as reducer,
-    with member 0's parts sent and none answered, while the daemons' connection between 0 and 2 is closed: both
-    resume their streams where they broke, over a new connection, and the round completes bit-identical."""
-    opened, reached = multiprocessing.Event(), multiprocessing.Event()
-    averagers = make_averagers(dhts, "reset", "none", hooks=(None, None, gate(REDUCE, opened, reached)))
-    try:
-        controls = run_round(averagers, [torch.full((SIZE,), float(i)) for i in range(3)], [1, 1, 1])
-        assert reached.wait(30), "member 2 never began to reduce"
-        dhts[0].run_coroutine(functools.partial(_disconnect, averagers[2].peer_id.to_base58()))
-        opened.set()
-        outcomes = [control.result(timeout=60) for control in controls]
-        assert_met_as_one(averagers, outcomes)
-    finally:
-        opened.set()
-        for averager in averagers:
-            averager.shutdown()
+    it resets; that failed the round for the whole group (bench/results/wan.md). While member 2 is held mid-reduce,
+    the daemons' connection between members 0 and 2 is closed: both resume their streams where they broke, over a
+    new connection, and the round completes bit-identical."""
+    meet_with_member_2_held_mid_reduce(dhts, "reset", lambda averagers: dhts[0].run_coroutine(
+        functools.partial(_disconnect, averagers[2].peer_id.to_base58())))
 
 
 def test_a_member_with_no_work_takes_the_others_mean_and_offends_nobody(dhts):
