@@ -19,7 +19,7 @@ from typing import Optional, Sequence, Tuple
 from dht.addresses import private_only_hint
 from dht.cli import Parser, add_arguments, from_args
 from dht.errors import UserError
-from dht.node import DHTConfig, start_dht, visible_maddrs
+from dht.node import DHTConfig, start_dht, stop_process, visible_maddrs
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[DHTConfig, Optional[str]]:
@@ -70,7 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     finally:
         if dht is not None:
-            dht.shutdown()
+            stop_process(dht)
 
 
 if __name__ == "__main__":

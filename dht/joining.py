@@ -8,7 +8,7 @@ import logging
 from typing import Tuple
 
 from dht.addresses import parse_maddrs
-from dht.node import DHTConfig, SwarmDHT, start_dht, visible_maddrs
+from dht.node import DHTConfig, SwarmDHT, start_dht, stop_process, visible_maddrs
 from dht.reach import Reach, ask_to_dial_back, circuit_addresses, dialable
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def reachable(dht: SwarmDHT, net: DHTConfig, validators) -> Tuple[SwarmDHT, DHTC
         logger.warning(f"no peer could dial this one at {addresses}: groups that pick it to reduce a part will "
                        f"fail; forward the port and pass --announce-maddrs, or drop --if-unreachable warn")
         return dht, net, reach
-    dht.shutdown()  # and again, with the same identity (ours, a moment ago): relayed, or in client mode
+    stop_process(dht)  # and again, with the same identity (ours, a moment ago): relayed, or in client mode
     why = "behind NAT or a firewall"
     if net.if_unreachable == "relay":
         relayed = dataclasses.replace(net, relayed=True)
@@ -40,7 +40,7 @@ def reachable(dht: SwarmDHT, net: DHTConfig, validators) -> Tuple[SwarmDHT, DHTC
             logger.warning(f"no peer could dial this one at {addresses} ({why}): reachable through a relay at "
                            f"{circuits[0]}")
             return dht, relayed, Reach.RELAYED
-        dht.shutdown()
+        stop_process(dht)
         why += ", and no initial peer granted it a relay slot"
     logger.warning(f"no peer could dial this one at {addresses} ({why}): going on in client mode, which trains "
                    f"and sends its work but reduces no parts and serves no state; to be a full member, forward the "

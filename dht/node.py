@@ -72,15 +72,30 @@ class DHTConfig:
 def init_child_process() -> None:
     """Run first in every forked helper process (DHT, averager).
 
-    SIGTERM goes back to its default: a handler inherited from the parent would only set a flag in
-    this copy of the process and keep it alive. And Linux is asked to SIGKILL the child when its parent
-    dies, so a peer killed with SIGKILL leaves no orphans behind.
+    Linux is asked to SIGKILL the child when its parent dies, so a peer killed with SIGKILL leaves no orphans
+    behind. Then the child ignores SIGTERM: the parent decides when it stops, and stops it (``stop_process``).
+    torchrun, systemd and ``pkill -f "python -m peer"`` send SIGTERM to every process of the peer at once; a
+    child that died of it left the parent's sync waiting on it until its deadline, past torchrun's 30 s grace
+    for a SIGTERMed rank (no checkpoint, no line). Where no parent-death signal can be set (not Linux), SIGTERM
+    goes back to its default, so that nothing outlives the peer: a handler inherited from the parent would only
+    set a flag in this copy of the process and keep it alive.
     """
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except OSError:
-        pass  # not Linux: children are reaped by hivemind's own shutdown paths instead
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except (OSError, AttributeError):  # not Linux: no libc.so.6, or no prctl in it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def stop_process(component) -> None:
+    """Shut down a hivemind process (a DHT, an averager): its own shutdown, and SIGKILL should it outlive it
+    (it ignores SIGTERM, which hivemind's shutdown falls back on)."""
+    if not component.is_alive():
+        return
+    component.shutdown()
+    if component.is_alive():
+        component.kill()
+        component.join(1.0)
 
 
 def _daemon_preexec() -> None:

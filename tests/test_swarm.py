@@ -204,6 +204,25 @@ def test_stop_checkpoints_and_exits_zero(swarm, tmp_path, stop):
     assert "Traceback" not in peer.stderr, peer.stderr[-3000:]
 
 
+def test_sigterm_to_the_whole_process_group_mid_sync_still_leaves_cleanly(swarm, tmp_path):
+    """torchrun, systemd and ``pkill -f "python -m peer"`` send SIGTERM to the peer's forked DHT and averager
+    processes too. They leave it to the peer: with its sync in flight (overlap, a partner), it finishes the round,
+    checkpoints and leaves with its own line. Before, they died at once, and the sync waited on them until torchrun
+    SIGKILLed the peer 30 s later (an island's rank 0: no checkpoint, no line)."""
+    checkpoint = tmp_path / "ckpt"
+    first = swarm.peer("first", "--overlap")
+    second = swarm.peer("second", "--overlap", "--checkpoint-dir", str(checkpoint))
+    wait_until(lambda: sum(len(records) == 2 for records in by_epoch([first, second]).values()) >= 2, 180,
+               "the two peers to apply 2 rounds together")
+    os.killpg(second.popen.pid, signal.SIGTERM)
+    assert second.wait(20) == 0, second.stderr[-3000:]  # well inside torchrun's 30 s (it took 37-60+ s before)
+    assert "SIGTERM: leaving after the current step" in second.stderr
+    assert (checkpoint / "state.pt").exists()
+    assert "Traceback" not in second.stderr, second.stderr[-3000:]
+    rounds = len(first.metrics)
+    first.wait_rounds(rounds + 2, 60)  # the partner trains on
+
+
 def test_quantized_rounds_shrink_the_wire_and_keep_states_identical(swarm):
     """Three runs of 2 peers side by side, fp32, int8 and int4: bytes measured at the transport, per peer and
     round. (2 peers a run: with 3, nine peers on two cores made rounds of ~1 s compute and ~2 s sync, and a

@@ -440,7 +440,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         except (GroupLostMember, asyncio.TimeoutError) as e:  # its parts were wrong, or did not come in time
             await self._ban_sender(context.remote_id)
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
-            logger.debug(f"dropped sender {context.remote_id}: {e!r}")
+            why = f"no part within {self.sender_timeout:.0f}s" if isinstance(e, asyncio.TimeoutError) else str(e)
+            logger.info(f"dropped sender #{sender_index} ({context.remote_id}): {why}")
         except BaseException as e:  # the stream broke (hivemind cancels the handler of a closed stream)
             self.senders.detach(sender_index, number, repr(e))
             raise
@@ -513,6 +514,8 @@ class SenderStreams:
 
         def drop() -> None:
             if self.latest.get(sender) == number:
+                logger.info(f"the stream from sender #{sender} broke ({why}) and did not resume within "
+                            f"{self.grace:.1f}s: dropped")
                 self.drop(sender)
 
         self.waiting[sender] = asyncio.get_event_loop().call_later(self.grace, drop)

@@ -138,7 +138,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.live import Live
 
     from dht.manifest import run_namespace
-    from dht.node import DHTConfig, start_dht
+    from dht.node import DHTConfig, start_dht, stop_process
     from dht.validation import run_validators
 
     namespace = run_namespace(args.run_id, args.run_token)
@@ -174,7 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     finally:
         if dht is not None:
-            dht.shutdown()
+            stop_process(dht)
 
 
 def _serve(take_snapshot, port: int, host: str) -> int:

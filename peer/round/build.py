@@ -27,7 +27,7 @@ from dht.addresses import parse_maddrs
 from dht.errors import UserError
 from dht.joining import reachable
 from dht.manifest import RunManifest, join_or_create, listed_name, publish_manifest, run_namespace
-from dht.node import DHTConfig, dht_ready, discard_made_up_identity, signing_identity, start_dht
+from dht.node import DHTConfig, dht_ready, discard_made_up_identity, signing_identity, start_dht, stop_process
 from dht.reach import Reach
 from dht.validation import run_validators
 from peer import config_file
@@ -116,7 +116,7 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         # the DHT's process starts its p2p daemon and reaches the initial peers while this one builds the model
         # (forked here, before any model work: this process runs no other thread yet)
         dht = start_dht(net, validators, check_identity=not fresh, await_ready=False)
-        closer.callback(_shut_down, dht)
+        closer.callback(stop_process, dht)
         # a run that is ours (a checkpoint's, or one we start alone) is known before the swarm answers; a joiner's
         # comes from the swarm. A manifest the swarm then refuses ends in resolve_manifest's one line, nothing written
         early = island is None and (payload is not None or not net.initial_peers)
@@ -127,7 +127,7 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         restarted, net, reach = reachable(dht, net, validators)
         if restarted is not dht:  # relayed, or in client mode: the first one is shut down
             dht = restarted
-            closer.callback(_shut_down, dht)
+            closer.callback(stop_process, dht)
         discard_made_up_identity(net)  # our DHT node runs for good now
         run = _as_here(manifest.settings, run_flags)  # this node's model copies
         if node.checkpoint_dir:
@@ -219,7 +219,7 @@ def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, reach: Reach,
         max_upload_mbit=sync.max_upload,
     )
     averager.run_in_background(await_ready=True)
-    closer.callback(_shut_down, averager)
+    closer.callback(stop_process, averager)
     transport = SwarmTransport(dht, averager, namespace, run.grace_seconds)
     closer.callback(transport.stop)
     clock, cache, local = Clock(), RecordCache(peer_id), LocalModel(trainer, layout)
@@ -241,11 +241,6 @@ def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, reach: Reach,
                                 hooks=hooks, initial_peer_ids=initial)
     return dict(feedback=feedback, averager=averager, transport=transport, cache=cache, announcer=announcer,
                 lineage=lineage, local=local, catchup=catchup, synchronizer=synchronizer, lock=lock, closer=closer)
-
-
-def _shut_down(component) -> None:
-    if component.is_alive():
-        component.shutdown()
 
 
 def _checkpoint_and_identity(node: NodeConfig, net: DHTConfig):
