@@ -438,10 +438,12 @@ class ExactAllReduceRunner(AllReduceRunner):
             if start < self.tensor_part_reducer.num_parts:
                 self.senders.detach(sender_index, number, "its stream ended")
         except (GroupLostMember, asyncio.TimeoutError) as e:  # its parts were wrong, or did not come in time
+            cause = not self.tensor_part_reducer.finished.is_set()  # not one of many ended by an earlier failure
             await self._ban_sender(context.remote_id)
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
             why = f"no part within {self.sender_timeout:.0f}s" if isinstance(e, asyncio.TimeoutError) else str(e)
-            logger.info(f"dropped sender #{sender_index} ({context.remote_id}): {why}")
+            logger.log(logging.INFO if cause else logging.DEBUG, f"dropped sender #{sender_index} "
+                                                                  f"({context.remote_id}): {why}")
         except BaseException as e:  # the stream broke (hivemind cancels the handler of a closed stream)
             self.senders.detach(sender_index, number, repr(e))
             raise
@@ -454,7 +456,9 @@ class ExactAllReduceRunner(AllReduceRunner):
                 code=averaging_pb2.BAD_GROUP_ID)
         return super()._check_reasons_to_reject(request, context)
 
-    def _drop_sender(self, sender_index: int) -> None:
+    def _drop_sender(self, sender_index: int, why: str) -> None:
+        if not self.tensor_part_reducer.finished.is_set():
+            logger.info(f"dropped sender #{sender_index} ({self.sender_peer_ids[sender_index]}): {why}")
         asyncio.ensure_future(self._ban_sender(self.sender_peer_ids[sender_index]))
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int,
@@ -492,7 +496,7 @@ class SenderStreams:
     averages went back has ``grace`` seconds to be superseded by a resumed one before ``drop`` is called on its
     sender."""
 
-    def __init__(self, grace: float, drop: Callable[[int], None]):
+    def __init__(self, grace: float, drop: Callable[[int, str], None]):
         self.grace, self.drop = grace, drop
         self.latest: Dict[int, int] = {}  # sender index -> the number of its latest stream
         self.waiting: Dict[int, asyncio.TimerHandle] = {}  # sender index -> its drop, unless it resumes
@@ -514,9 +518,7 @@ class SenderStreams:
 
         def drop() -> None:
             if self.latest.get(sender) == number:
-                logger.info(f"the stream from sender #{sender} broke ({why}) and did not resume within "
-                            f"{self.grace:.1f}s: dropped")
-                self.drop(sender)
+                self.drop(sender, f"its stream broke ({why}) and did not resume within {self.grace:.1f}s")
 
         self.waiting[sender] = asyncio.get_event_loop().call_later(self.grace, drop)
 
