@@ -10,6 +10,7 @@ import functools
 import logging
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -19,6 +20,7 @@ from typing import Any, Callable, Iterable, List, Optional, Set, Tuple
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import ValidationError
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
@@ -250,13 +252,15 @@ def dht_ready(dht: SwarmDHT, config: DHTConfig) -> SwarmDHT:
         if not config.client_mode:
             serve_dial_back(dht)  # others may ask whether they can be dialled (dht/reach.py)
         return dht
-    except (P2PDaemonError, TimeoutError) as e:
+    except (P2PDaemonError, TimeoutError, ValidationError) as e:
         raise _startup_error(e, config) from None
 
 
 def _startup_error(error: Exception, config: DHTConfig) -> UserError:
     if isinstance(error, P2PDaemonError):
         return UserError(explain_daemon_error(str(error), config))
+    if isinstance(error, ValidationError):
+        return UserError(explain_validation_error(str(error)))
     return UserError(f"the DHT did not start within {config.startup_timeout:.0f}s; check that the initial peers "
                      f"{' '.join(config.initial_peers) or '(none)'} are reachable, or raise --startup-timeout")
 
@@ -312,6 +316,19 @@ def explain_daemon_error(message: str, config: DHTConfig) -> str:
     if "cannot assign requested address" in message:
         return f"cannot listen on {' '.join(config.host_maddrs)}: that address is not on this machine"
     return f"the p2p daemon failed to start: {message.strip()}"
+
+
+def explain_validation_error(message: str) -> str:
+    """hivemind's DHT refuses to join a swarm whose time (in its ping's answer) is more than 3 s from this
+    machine's: its records expire by the clock. Say by how much this clock is off, and how to set it."""
+    times = re.search(r"local: ([\d.]+), peer: ([\d.]+)", message)
+    if times is None:
+        return f"an initial peer refused this one: {message.strip()}"
+    off = float(times.group(1)) - float(times.group(2))
+    return (f"this machine's clock is {abs(off):.1f} s {'ahead of' if off > 0 else 'behind'} an initial peer's, "
+            f"and the swarm's DHT accepts at most 3 s: set the clock from the network (Linux: sudo timedatectl "
+            f"set-ntp true; WSL2, after a sleep: sudo hwclock -s; macOS and Windows: set the time automatically), "
+            f"then start again")
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,3 +134,22 @@ def test_tracker_that_is_not_installed_is_named(tmp_path):
               "runpy.run_module('peer', run_name='__main__')")
     result = run_cli(sys.executable, "-c", absent)
     assert_one_line_error(result, "--wandb needs the wandb package: pip install wandb")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["peer", "dht"])
+@pytest.mark.parametrize("skew", ["-30s", "+30s"])
+def test_a_clock_far_from_the_swarms_is_one_line_saying_by_how_much_and_how_to_set_it(tmp_path, command, skew):
+    """hivemind's DHT refuses a node whose clock is more than 3 s from its initial peer's (a VM or WSL2 after a
+    sleep, a machine without NTP); the joiner said so with a traceback. libfaketime sets this process's clock off."""
+    if shutil.which("faketime") is None:
+        pytest.skip("faketime (Debian's package) is not installed: .ci/run installs it")
+    swarm = Swarm(tmp_path)
+    try:
+        joiner = ("--initial-peers", swarm.maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0")
+        argv = peer_command(*joiner) if command == "peer" else [sys.executable, "-m", "dht", *joiner]
+        result = run_cli("faketime", "-f", skew, *argv)
+        line = assert_one_line_error(result, "the swarm's DHT accepts at most 3 s", "timedatectl set-ntp true")
+        assert re.search(rf"clock is (29|30|31)\.\d s {'behind' if skew.startswith('-') else 'ahead of'} ", line), line
+    finally:
+        swarm.close()
