@@ -101,8 +101,11 @@ def stop_process(component) -> None:
 
 
 def _daemon_preexec() -> None:
-    """Runs in the forked p2p daemon before exec: its own process group, and death with its parent."""
+    """Runs in the forked p2p daemon before exec: its own process group, death with its parent, and SIGTERM (which
+    hivemind stops it with) back to its default: its parent ignores it (``init_child_process``), and exec keeps
+    an ignored signal ignored."""
     os.setpgrp()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
