@@ -438,12 +438,10 @@ class ExactAllReduceRunner(AllReduceRunner):
             if start < self.tensor_part_reducer.num_parts:
                 self.senders.detach(sender_index, number, "its stream ended")
         except (GroupLostMember, asyncio.TimeoutError) as e:  # its parts were wrong, or did not come in time
-            cause = not self.tensor_part_reducer.finished.is_set()  # not one of many ended by an earlier failure
+            self._say_dropped(sender_index, f"no part within {self.sender_timeout:.0f}s"
+                              if isinstance(e, asyncio.TimeoutError) else str(e))
             await self._ban_sender(context.remote_id)
             yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
-            why = f"no part within {self.sender_timeout:.0f}s" if isinstance(e, asyncio.TimeoutError) else str(e)
-            logger.log(logging.INFO if cause else logging.DEBUG, f"dropped sender #{sender_index} "
-                                                                  f"({context.remote_id}): {why}")
         except BaseException as e:  # the stream broke (hivemind cancels the handler of a closed stream)
             self.senders.detach(sender_index, number, repr(e))
             raise
@@ -457,9 +455,13 @@ class ExactAllReduceRunner(AllReduceRunner):
         return super()._check_reasons_to_reject(request, context)
 
     def _drop_sender(self, sender_index: int, why: str) -> None:
-        if not self.tensor_part_reducer.finished.is_set():
-            logger.info(f"dropped sender #{sender_index} ({self.sender_peer_ids[sender_index]}): {why}")
+        self._say_dropped(sender_index, why)
         asyncio.ensure_future(self._ban_sender(self.sender_peer_ids[sender_index]))
+
+    def _say_dropped(self, sender_index: int, why: str) -> None:
+        """At INFO the sender whose failure ends this reduction; at DEBUG those an earlier failure ended."""
+        level = logging.DEBUG if self.tensor_part_reducer.finished.is_set() else logging.INFO
+        logger.log(level, f"dropped sender #{sender_index} ({self.sender_peer_ids[sender_index]}): {why}")
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int,
                                           start: int = 0) -> AsyncIterator[averaging_pb2.AveragingData]:
