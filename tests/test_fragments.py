@@ -177,8 +177,10 @@ def test_three_real_peers_with_fragments_agree_learn_and_send_one_fragment_a_rou
     # payload smaller than one part has one reducer, which sends 2 of them here, the others 1): fp16, one fragment
     params = count_parameters(build_model("micro", load_tokenizer("bytes").vocab_size, 64, 0))
     fragment_bytes = 2 * -(-params // 2)
+    # (an aligned round sends the moment too; a retried one sends again: in CI the first round's all-reduce lost a
+    # sender under the start's load, and its 2 attempts put the mean at 1.12)
     full = [r["bytes_sent"] for p in peers for r in p.metrics
-            if r["applied"] and r["group_size"] == 3 and not r["aligned"]]  # (an aligned round sends the moment too)
+            if r["applied"] and r["group_size"] == 3 and not r["aligned"] and r["attempts"] == 1]
     assert 0.9 < statistics.mean(full) / (2 * 2 / 3 * fragment_bytes) < 1.1, (statistics.mean(full), params)
 
 
