@@ -459,8 +459,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         asyncio.ensure_future(self._ban_sender(self.sender_peer_ids[sender_index]))
 
     def _say_dropped(self, sender_index: int, why: str) -> None:
-        """At INFO the sender whose failure ends this reduction; at DEBUG those an earlier failure ended."""
-        level = logging.DEBUG if self.tensor_part_reducer.finished.is_set() else logging.INFO
+        """As a warning the sender whose failure ends this reduction (beside the "all-reduce failed" it causes); at
+        DEBUG those an earlier failure ended."""
+        level = logging.DEBUG if self.tensor_part_reducer.finished.is_set() else logging.WARNING
         logger.log(level, f"dropped sender #{sender_index} ({self.sender_peer_ids[sender_index]}): {why}")
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int,
