@@ -24,6 +24,7 @@ from hivemind.dht.protocol import ValidationError
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
 from dht import internals
 from dht.addresses import parse_maddrs, scope
@@ -322,16 +323,17 @@ def explain_daemon_error(message: str, config: DHTConfig) -> str:
 
 
 def explain_validation_error(message: str) -> str:
-    """hivemind's DHT refuses to join a swarm whose time (in its ping's answer) is more than 3 s from this
-    machine's: its records expire by the clock. Say by how much this clock is off, and how to set it."""
+    """hivemind's DHT refuses to join a swarm whose time (in its ping's answer) is more than
+    ``MAX_DHT_TIME_DISCREPANCY_SECONDS`` (3) from this machine's: its records expire by the clock. Say by how much
+    this clock is off, and how to set it."""
     times = re.search(r"local: ([\d.]+), peer: ([\d.]+)", message)
     if times is None:
         return f"an initial peer refused this one: {message.strip()}"
     off = float(times.group(1)) - float(times.group(2))
     return (f"this machine's clock is {abs(off):.1f} s {'ahead of' if off > 0 else 'behind'} an initial peer's, "
-            f"and the swarm's DHT accepts at most 3 s: set the clock from the network (Linux: sudo timedatectl "
-            f"set-ntp true; WSL2, after a sleep: sudo hwclock -s; macOS and Windows: set the time automatically), "
-            f"then start again")
+            f"and the swarm's DHT accepts at most {MAX_DHT_TIME_DISCREPANCY_SECONDS:g} s: set the clock from the "
+            f"network (Linux: sudo timedatectl set-ntp true; WSL2, after a sleep: sudo hwclock -s; macOS and "
+            f"Windows: set the time automatically), then start again")
 
 
 def visible_maddrs(dht: hivemind.DHT) -> list:
