@@ -12,4 +12,5 @@
 - ``metrics.py``    a round's metrics record
 - ``build.py``      every part of a node, built from its configs with its collaborators passed in
 - ``node.py``       ``Peer``: the round loop, reports, checkpoints, leaving
+- ``stopping.py``   Ctrl+C and SIGTERM: leave after the step; a watch thread leaves for a training thread stuck in C
 """

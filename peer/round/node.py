@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from typing import Optional, Tuple
@@ -28,6 +27,7 @@ from peer.round.build import Parts
 from peer.round.inflight import InFlight, start_overlap, sync_round
 from peer.round.metrics import round_record
 from peer.round.schedule import RoundClock
+from peer.round.stopping import StopOnSignals
 from peer.swarm.clock import Clock
 from peer.swarm.consensus import LEAVING, active, responsive
 from peer.train.island import Island, island_batches
@@ -62,7 +62,8 @@ class Peer:
         self.reported = False  # this process wrote its first round record
         # started after the last fork of this process (the averager's, in build_parts): no thread runs across a fork
         self.writer = CheckpointWriter(node.checkpoint_dir) if node.checkpoint_dir else None
-        stop_on_signals(self.stop_requested, self.reporter)  # after the averager forked: hivemind ignores SIGINT
+        # after the averager forked: hivemind ignores SIGINT
+        StopOnSignals(self.stop_requested, self.reporter.info, self._leave_stuck)
 
     def join(self) -> None:
         """Catch up with the swarm, publish our record and say who we are."""
@@ -266,6 +267,19 @@ class Peer:
         epoch = payload.epoch
         self.writer.submit(payload, before_rename=None if round_steps else (lambda: self.hooks.at(CHECKPOINT, epoch)))
 
+    def _leave_stuck(self, signal_name: str, where: str) -> None:
+        """The training thread is stuck in one native call and cannot take a signal (``peer/round/stopping.py``):
+        say where, tell the swarm we left (within seconds), exit. The round in progress is lost; the checkpoint of
+        the last round stays."""
+        self.reporter.info(f"{signal_name}: the training thread is stuck in {where}: leaving without the round in "
+                           f"progress (the last checkpoint stays)")
+        if self.writer is not None:
+            self.writer.wait(timeout=5.0)  # the last round's, submitted just before
+        telling = threading.Thread(target=self._tell_left, daemon=True)
+        telling.start()
+        telling.join(timeout=5.0)
+        os._exit(1)  # our DHT and averager processes die with us
+
     def close(self) -> None:
         """Checkpoint (and wait for the write), tell the swarm we left; then ``Parts.close`` stops our processes.
         Safe on any path."""
@@ -275,6 +289,9 @@ class Peer:
             if self.writer is not None:
                 self.writer.close()
         self.parts.transport.stop()
+        self._tell_left()
+
+    def _tell_left(self) -> None:
         try:
             self._publish(status="left")
         except Exception as e:  # the p2p daemon may already be gone (Ctrl+C reaches it too)
@@ -314,19 +331,6 @@ def process_age() -> Optional[float]:
         return round(time.clock_gettime(time.CLOCK_BOOTTIME) - started, 2)
     except (OSError, ValueError, IndexError, AttributeError):
         return None
-
-
-def stop_on_signals(stop_requested: threading.Event, reporter) -> None:
-    """Ctrl+C or SIGTERM: leave after the current step (checkpoint, then exit); a second one quits at once."""
-    def handler(signum, _frame):
-        if stop_requested.is_set():
-            os._exit(130)  # children die with us
-        stop_requested.set()
-        reporter.info(f"{signal.Signals(signum).name}: leaving after the current step "
-                      f"(checkpoint, then exit); press Ctrl+C again to quit at once")
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, handler)
 
 
 def say_who_we_are(parts: Parts, run_id: str, reporter) -> None:
