@@ -1,6 +1,7 @@
 """Ctrl+C and SIGTERM: the training thread leaves after its step; when it is stuck in a native call and cannot
 take the signal, the watch thread says where and leaves for it (peer/round/stopping.py). Real processes, real
-signals; the stuck thread is a C call with the signals blocked on its thread, as a thread in a futex wait is."""
+signals; the stuck thread is a C call with the signals blocked on its thread, as a thread in a futex wait is.
+An island's collectives are stood in for by ``blocked_for``, which the island's test runs for real."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ def say(line):
     if sys.argv[1] == "stuck":  # the signal came before the main thread was in its C call: it took it
         os._exit(4)
 
-StopOnSignals(stop, say, leave_stuck, stuck_seconds=float(sys.argv[2]))
+def blocked_for():  # an island's collective that began when the stop came, and never ends
+    return 999.0 if sys.argv[1] == "blocked" and stop.is_set() else 0.0
+
+StopOnSignals(stop, say, leave_stuck, stuck_seconds=float(sys.argv[2]), blocked_for=blocked_for)
 
 def stuck_in_c():
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # only the watch thread gets them
@@ -38,7 +42,12 @@ def training():
     stop.wait(120)
     print("left after the step", flush=True)
 
-{"stuck": stuck_in_c, "training": training}[sys.argv[1]]()
+def blocked():
+    print("ready", flush=True)
+    stop.wait(120)
+    ctypes.CDLL(None).sleep(120)
+
+{"stuck": stuck_in_c, "training": training, "blocked": blocked}[sys.argv[1]]()
 """
 
 
@@ -85,6 +94,14 @@ def test_a_training_thread_that_takes_the_signal_leaves_after_its_step_and_is_no
         "SIGTERM: leaving after the current step (checkpoint, then exit); press Ctrl+C again to quit at once",
         "left after the step"], result
     assert "stuck" not in result.stdout, result
+
+
+def test_a_training_thread_that_took_the_signal_then_blocked_in_a_collective_is_left_for():
+    result = run_signalled("blocked", 0.5, signal.SIGTERM)
+    assert result.returncode == 3, result
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("SIGTERM: leaving after the current step"), result
+    assert lines[1].startswith("left for the stuck thread on SIGTERM: "), result
 
 
 def test_a_second_signal_to_a_stuck_thread_quits_at_once():

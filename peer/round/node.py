@@ -63,7 +63,8 @@ class Peer:
         # started after the last fork of this process (the averager's, in build_parts): no thread runs across a fork
         self.writer = CheckpointWriter(node.checkpoint_dir) if node.checkpoint_dir else None
         # after the averager forked: hivemind ignores SIGINT
-        StopOnSignals(self.stop_requested, self.reporter.info, self._leave_stuck)
+        StopOnSignals(self.stop_requested, self.reporter.info, self._leave_stuck,
+                      blocked_for=island.blocked_for if island is not None else None)
 
     def join(self) -> None:
         """Catch up with the swarm, publish our record and say who we are."""

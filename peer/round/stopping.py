@@ -6,6 +6,11 @@ Python runs signal handlers on the main thread, between two bytecodes. A trainin
 torchrun, for one, follows its SIGTERM with a SIGKILL 30 s later. So each signal also wakes a watch thread
 (``signal.set_wakeup_fd``). When the handler has not run ``stuck_seconds`` after a signal, the training thread is
 stuck: the watch thread says where, and leaves for it (``leave_stuck``), without the round in progress.
+
+A training thread that took the signal can still block afterwards, in its step's collective. Where the process has
+calls that only another process ends (an island's collectives), ``blocked_for`` says how long the training thread
+has been in one; once a stop is asked, one that lasts ``stuck_seconds`` is stuck too (the watch thread looks every
+second). Other long waits (a sync in flight, the last checkpoint) end on their own deadlines, and are left alone.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 STUCK_SECONDS = 10.0  # a main thread that takes no signal for this long is stuck in a native call
+TICK_SECONDS = 1.0  # how often the watch thread asks ``blocked_for`` once a stop is asked
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,12 +35,14 @@ class StopOnSignals:
     """Install with ``StopOnSignals(stop_requested, say, leave_stuck)`` on the main thread.
 
     ``say(line)`` tells the user; ``leave_stuck(signal_name, where)`` runs on the watch thread when the training
-    thread is stuck, and does not return (it exits the process)."""
+    thread is stuck, and does not return (it exits the process); ``blocked_for()``: seconds the training thread has
+    been in a call that only another process ends, 0 when it is in none."""
 
     def __init__(self, stop_requested: threading.Event, say: Callable[[str], None],
-                 leave_stuck: Callable[[str, str], None], stuck_seconds: float = STUCK_SECONDS):
+                 leave_stuck: Callable[[str, str], None], stuck_seconds: float = STUCK_SECONDS,
+                 blocked_for: Optional[Callable[[], float]] = None):
         self.stop_requested, self.say, self.leave_stuck = stop_requested, say, leave_stuck
-        self.stuck_seconds = stuck_seconds
+        self.stuck_seconds, self.blocked_for = stuck_seconds, blocked_for
         self._taken_r, self._taken_w = os.pipe()  # the handler writes a byte here each time it runs
         wake_r, wake_w = os.pipe()  # Python's own C-level handler writes the signal's number here, on any thread
         os.set_blocking(wake_w, False)
@@ -44,19 +52,22 @@ class StopOnSignals:
         threading.Thread(target=self._watch, args=(wake_r,), name="signal-watch", daemon=True).start()
 
     def _handler(self, signum, _frame) -> None:
-        os.write(self._taken_w, b"\0")
         if self.stop_requested.is_set():
             os._exit(130)  # children die with us
         self.stop_requested.set()
         self.say(f"{signal.Signals(signum).name}: leaving after the current step (checkpoint, then exit); "
                  f"press Ctrl+C again to quit at once")
+        os.write(self._taken_w, b"\0")  # last: what the watch thread says next comes after the line above
 
     def _watch(self, wake_fd: int) -> None:
         received = taken = 0
         first: Optional[signal.Signals] = None
         since: Optional[float] = None  # when the oldest signal the handler has not taken came
         while True:
-            timeout = None if since is None else max(0.0, since + self.stuck_seconds - time.monotonic())
+            if since is not None:
+                timeout: Optional[float] = max(0.0, since + self.stuck_seconds - time.monotonic())
+            else:
+                timeout = TICK_SECONDS if taken and self.blocked_for is not None else None
             readable, _, _ = select.select([wake_fd, self._taken_r], [], [], timeout)
             if wake_fd in readable:
                 for number in os.read(wake_fd, 64):
@@ -68,6 +79,9 @@ class StopOnSignals:
                 taken += len(os.read(self._taken_r, 64))
             if taken >= received:
                 since = None
+                if taken and self.blocked_for is not None and self.blocked_for() >= self.stuck_seconds:
+                    self.leave_stuck(first.name, where_main_thread_is())  # took the stop, then blocked
+                    return
             elif received - taken >= 2:
                 os._exit(130)  # a second Ctrl+C that the stuck thread cannot take either: quit at once
             elif not readable:

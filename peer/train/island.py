@@ -27,6 +27,7 @@ import contextlib
 import datetime
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional
 
@@ -60,6 +61,7 @@ class Island:
         self.leader = rank == 0
         self.following = False  # rank 0: the other ranks have entered their command loop
         self.broken = False
+        self.blocked_since: Optional[float] = None  # when the collective in progress began (only another rank ends it)
 
     @classmethod
     def from_env(cls, device_flag: str, timeout_seconds: float = 1800.0) -> Optional["Island"]:
@@ -87,6 +89,7 @@ class Island:
     @contextlib.contextmanager
     def guard(self):
         """Turn a failed collective (a rank died or froze past the timeout) into one line."""
+        self.blocked_since = time.monotonic()
         try:
             yield
         except (RuntimeError, dist.DistError) as e:
@@ -96,6 +99,14 @@ class Island:
             who = "rank 0 (the island's peer) is gone" if not self.leader else "another rank of this island is gone"
             raise IslandLost(f"{who}: {first_line(e)}; the island stops (restart torchrun with the same "
                              f"--checkpoint-dir to resume it)") from None
+        finally:
+            self.blocked_since = None
+
+    def blocked_for(self) -> float:
+        """Seconds this rank's training thread has been in a collective (0 in none): what a stop watches, since only
+        the other ranks end one (``peer/round/stopping.py``)."""
+        since = self.blocked_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def _tensor(self, values: List[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float64, device=self.device)
