@@ -454,6 +454,17 @@ class ExactAllReduceRunner(AllReduceRunner):
                 code=averaging_pb2.BAD_GROUP_ID)
         return super()._check_reasons_to_reject(request, context)
 
+    async def _handle_missing_senders(self) -> None:
+        """hivemind's check, saying whom it drops: a sender whose stream has not started within ``sender_timeout``
+        (it dropped them without a word, and one CI run's failed round named only "sender #0 failed")."""
+        try:
+            await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
+        except asyncio.TimeoutError:
+            for index, peer_id in enumerate(self.sender_peer_ids):
+                if peer_id not in self.active_senders and peer_id not in self.banned_senders:
+                    self._say_dropped(index, f"its stream did not start within {self.sender_timeout:.0f}s")
+                    await self._ban_sender(peer_id)
+
     def _drop_sender(self, sender_index: int, why: str) -> None:
         self._say_dropped(sender_index, why)
         asyncio.ensure_future(self._ban_sender(self.sender_peer_ids[sender_index]))
