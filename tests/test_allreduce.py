@@ -86,7 +86,8 @@ def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None, cl
 def run_round(averagers, values, weights, deadlines=(30.0, 10.0), ids=None):
     """One round of ``averagers``. ``deadlines`` (all-reduce, part) are generous for rounds where nobody
     fails: a busy CI machine once took over 3 s between two parts of an honest round, and its reducers
-    dropped the sender."""
+    dropped the sender. So is the step's 15 s to find its group: with 6 s, a member on a busy CI machine gave up
+    ("could not find a group") while the others formed the group with it, and then dropped it."""
     allreduce_timeout, part_timeout = deadlines
     controls = []
     for index, (averager, value) in enumerate(zip(averagers, values)):
@@ -98,7 +99,7 @@ def run_round(averagers, values, weights, deadlines=(30.0, 10.0), ids=None):
     for averager, weight in zip(averagers, weights):
         controls.append(averager.step(
             gather=dict(epoch=0, hash="cafe", tokens=weight, align=False), weight=float(weight),
-            scheduled_time=get_dht_time() + 2.0, timeout=6.0, allow_retries=False, wait=False,
+            scheduled_time=get_dht_time() + 2.0, timeout=15.0, allow_retries=False, wait=False,
         ))
     return controls
 
