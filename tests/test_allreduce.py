@@ -221,6 +221,34 @@ def test_a_connection_reset_mid_all_reduce_is_resumed_and_members_still_agree(dh
         functools.partial(_disconnect, averagers[2].peer_id.to_base58())))
 
 
+class LateRunner(ExactAllReduceRunner):
+    """Begins its side of the all-reduce ``LATE_START`` seconds after its group formed, its event loop free meanwhile:
+    a member that learnt of its group last, on a busy machine."""
+
+    async def run(self):
+        await asyncio.sleep(LATE_START)
+        async for averaged in super().run():
+            yield averaged
+
+
+LATE_START = 4.5  # past the part timeout the test gives (3 s), within twice it
+
+
+def test_a_member_whose_streams_start_late_is_waited_for_as_long_as_a_reducer(dhts):
+    """In a fault-free CI round of 2 peers, a reducer dropped the other member: "its stream did not start within 3s"
+    (--part-timeout 3), and the round was lost. A member learns of its group from the leader, one member after
+    another, and starts its streams once its averager process gets to it; a sender gives a reducer twice the part
+    timeout to answer, and a reducer now gives a sender as long to start."""
+    averagers = make_averagers(dhts, "late-start", "none", runners=(ExactAllReduceRunner,) * 2 + (LateRunner,))
+    try:
+        values = [torch.full((SIZE,), float(i)) for i in range(3)]
+        controls = run_round(averagers, values, [1, 1, 1], deadlines=(30.0, 3.0))
+        assert_met_as_one(averagers, [control.result(timeout=60) for control in controls])
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+
+
 def test_a_member_with_no_work_takes_the_others_mean_and_offends_nobody(dhts):
     """Weight 0: a peer that dropped its stale rounds (--max-staleness) as the next round began, so whatever its
     vector holds counts for nothing. Its reducers once took weight 0 for a malformed part and counted an offence

@@ -455,14 +455,16 @@ class ExactAllReduceRunner(AllReduceRunner):
         return super()._check_reasons_to_reject(request, context)
 
     async def _handle_missing_senders(self) -> None:
-        """hivemind's check, saying whom it drops: a sender whose stream has not started within ``sender_timeout``
-        (it dropped them without a word, and one CI run's failed round named only "sender #0 failed")."""
+        """hivemind's check, saying whom it drops (it dropped them without a word): a sender whose stream has not
+        started within ``reducer_timeout``, as long as a sender waits for a reducer's first answer. Members learn of
+        their group from its leader one after another, and each starts once its averager process gets to it; with
+        hivemind's ``sender_timeout``, a busy CI machine lost fault-free rounds to a member that started late."""
         try:
-            await asyncio.wait_for(self.all_senders_started.wait(), self.sender_timeout)
+            await asyncio.wait_for(self.all_senders_started.wait(), self.reducer_timeout)
         except asyncio.TimeoutError:
             for index, peer_id in enumerate(self.sender_peer_ids):
                 if peer_id not in self.active_senders and peer_id not in self.banned_senders:
-                    self._say_dropped(index, f"its stream did not start within {self.sender_timeout:.0f}s")
+                    self._say_dropped(index, f"its stream did not start within {self.reducer_timeout:.0f}s")
                     await self._ban_sender(peer_id)
 
     def _drop_sender(self, sender_index: int, why: str) -> None:
