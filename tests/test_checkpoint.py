@@ -155,3 +155,27 @@ def test_a_full_disk_under_the_writer_keeps_the_previous_checkpoint(tmp_path, mo
     monkeypatch.undo()
     assert "the disk is full; the previous checkpoint is kept" in caplog.text
     assert CheckpointPayload.load(str(tmp_path)).epoch == 1 and os.listdir(tmp_path) == ["state.pt"]
+
+
+def test_a_write_in_place_waits_for_the_write_in_progress_and_replaces_the_one_in_the_slot(tmp_path):
+    """Where a snapshot would not fit in memory, the training thread writes the live tensors itself
+    (``CheckpointWriter.write_now``): after the write in progress, in place of the snapshot waiting in the slot
+    (older than it), in the caller's thread."""
+    writing, release, written = threading.Event(), threading.Event(), []
+
+    def slow_disk(directory, saved, before_rename):
+        if saved.epoch == 1:
+            writing.set()
+            assert release.wait(60), "the test never released the disk"
+        written.append((saved.epoch, threading.current_thread().name))
+        return saved.save(directory, before_rename)
+
+    writer = CheckpointWriter(str(tmp_path), save=slow_disk)
+    writer.submit(payload(epoch=1))
+    assert writing.wait(60)
+    writer.submit(payload(epoch=2))  # waits in the slot
+    threading.Timer(0.2, release.set).start()
+    assert writer.write_now(payload(epoch=3))  # returns once on disk
+    writer.close()
+    assert written == [(1, "checkpoint-writer"), (3, threading.current_thread().name)] and writer.written == 2
+    assert CheckpointPayload.load(str(tmp_path)).epoch == 3

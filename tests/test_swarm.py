@@ -78,6 +78,29 @@ def test_lone_peer_learns_and_resumes_from_checkpoint(swarm, tmp_path):
     assert after[0]["tokens_total"] == rounds[-1]["tokens_total"] + after[0]["tokens"]
 
 
+def test_a_peer_whose_state_copy_would_not_fit_in_memory_writes_its_checkpoints_in_place(swarm, tmp_path,
+                                                                                            monkeypatch):
+    """A 150m peer on a 24-GiB machine was OOM-killed taking its first checkpoint's copy of the state. A peer whose
+    copy would not fit in the memory free (here 1 MiB, as the peer's process is told) writes the live
+    tensors on its training thread instead, says so once, and what it wrote resumes bit for bit."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "import peer.ops.checkpoint\n"
+        "peer.ops.checkpoint.memory_free = lambda: 1 << 20\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")])))
+    checkpoint = str(tmp_path / "ckpt")
+    short = swarm.peer("short", "--max-rounds", "3", "--checkpoint-dir", checkpoint, join=False)
+    assert short.wait(180) == 0, short.stderr[-2000:]
+    assert short.stderr.count("checkpoints are written on the training thread: a copy of the state") == 1, \
+        short.stderr[-2000:]
+    monkeypatch.undo()
+    resumed = swarm.peer("resumed", "--max-rounds", "4", "--checkpoint-dir", checkpoint, join=False)
+    assert resumed.wait(180) == 0, resumed.stderr[-2000:]
+    assert "checkpoints are written on the training thread" not in resumed.stderr
+    assert resumed.metrics[0]["epoch"] == 4 and resumed.metrics[0]["resumed_hash"] == short.metrics[-1]["state_hash"]
+
+
 def test_a_resume_that_the_flags_or_the_swarm_refuse_is_one_line_and_keeps_the_checkpoint(swarm, tmp_path):
     """A resumed peer builds its model from its checkpoint while its DHT starts, before the swarm answers
     (peer/round/build.py); a flag or a swarm's run that disagree with the checkpoint still end in one line, and the

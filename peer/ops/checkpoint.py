@@ -143,6 +143,30 @@ class CheckpointPayload:
 
 
 
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor in ``value`` (dicts, lists and tuples walked): what ``frozen`` would copy."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def memory_free() -> Optional[int]:
+    """Bytes of memory the system can give us now without swapping: Linux's ``MemAvailable`` (free memory and the
+    page cache it can drop). None where there is no /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def frozen(value: Any) -> Any:
     """``value`` with every tensor in it copied to the CPU (dicts, lists and tuples walked): a snapshot that the
     training steps after it cannot change, such as AdamW's state dict, whose tensors the next step updates in place."""
@@ -186,6 +210,25 @@ class CheckpointWriter:
     def busy(self) -> bool:
         with self._changed:
             return self._writing or self._pending is not None
+
+    def write_now(self, payload: "CheckpointPayload", before_rename: Optional[Callable[[], None]] = None) -> bool:
+        """Write ``payload`` in the calling thread, once any write in progress has ended (and what waits in the slot,
+        which this newer one replaces): for a payload of live tensors, not a snapshot, that must be on disk before
+        they change."""
+        with self._changed:
+            self._pending = None
+            self._changed.wait_for(lambda: not self._writing)
+            self._writing = True
+        try:
+            return self._save(self.directory, payload, before_rename)
+        except Exception:  # as in the writer's thread: a bug, said once, and training goes on
+            logger.exception(f"checkpoint not written to {checkpoint_path(self.directory)}")
+            return False
+        finally:
+            with self._changed:
+                self._writing = False
+                self.written += 1
+                self._changed.notify_all()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Until every snapshot submitted so far is written (or replaced); False if ``timeout`` passed first."""

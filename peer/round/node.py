@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -22,7 +23,7 @@ from dht.manifest import MANIFEST_TTL, listed_name, publish_manifest
 from dht.node import visible_maddrs
 from peer.config import NodeConfig, SyncConfig
 from peer.hooks import CHECKPOINT, INNER, Hooks
-from peer.ops.checkpoint import CheckpointPayload, CheckpointWriter, frozen
+from peer.ops.checkpoint import CheckpointPayload, CheckpointWriter, frozen, memory_free, tensor_bytes
 from peer.round.build import Parts
 from peer.round.inflight import InFlight, start_overlap, sync_round
 from peer.round.metrics import round_record
@@ -35,6 +36,9 @@ from peer.train.model import count_parameters
 
 logger = logging.getLogger(__name__)
 RECORD_TTL = 60.0  # seconds a peer record lives without a refresh (at least)
+# a checkpoint's snapshot is taken only if this many times its size is free in memory; else the checkpoint is written
+# from the live tensors, on the training thread (a 150m peer on this 24-GiB machine was OOM-killed taking its copy)
+SNAPSHOT_HEADROOM = 1.25
 
 
 class Peer:
@@ -50,6 +54,7 @@ class Peer:
         self.inflight: Optional[InFlight] = None
         self.clock.sync_in_flight = lambda: self.inflight is not None and self.inflight.running()
         self.manifest_published_at = self.checkpointed_at = time.monotonic()
+        self.wrote_in_place = False  # a checkpoint was written from the live tensors (``_checkpoint``): said once
         self.traffic_seen = (0, 0)  # transport bytes counted up to the end of the last round
         self.last_round_seconds: Optional[float] = None
         # what the last round that averaged sent: in our record, for `peer status` (a round that found no group
@@ -264,9 +269,23 @@ class Peer:
         # with overlap, mid-round: the sync of the last round ended and is not joined yet (``_finish``); what it
         # merged is not pending work any more
         merged = self.inflight.merged() if round_steps and self.inflight is not None else (0, 0)
-        payload = snapshot(self.parts, self.node.run_id, round_tokens, round_steps, merged=merged)
-        epoch = payload.epoch
-        self.writer.submit(payload, before_rename=None if round_steps else (lambda: self.hooks.at(CHECKPOINT, epoch)))
+        size, free = snapshot_bytes(self.parts), memory_free()
+        in_place = free is not None and size * SNAPSHOT_HEADROOM > free
+        if in_place:
+            if not self.wrote_in_place:
+                logger.warning(f"checkpoints are written on the training thread: a copy of the state "
+                               f"({size / 2**30:.1f} GiB) would not fit in the {free / 2**30:.1f} GiB of free memory, "
+                               f"so training waits for the disk at each one (free some memory to write them in the "
+                               f"background)")
+                self.wrote_in_place = True
+            self.writer.wait()  # first: a peer downloading our state waits for our write only, not for the last one
+        # in place, the live tensors under the lock until they are on disk: nothing changes them meanwhile
+        with self.parts.lock if in_place else contextlib.nullcontext():
+            payload = snapshot(self.parts, self.node.run_id, round_tokens, round_steps, merged=merged,
+                               copy=not in_place)
+            epoch = payload.epoch
+            hook = None if round_steps else (lambda: self.hooks.at(CHECKPOINT, epoch))
+            (self.writer.write_now if in_place else self.writer.submit)(payload, hook)
 
     def _leave_stuck(self, signal_name: str, where: str) -> None:
         """The training thread is stuck in one native call and cannot take a signal (``peer/round/stopping.py``):
@@ -299,27 +318,36 @@ class Peer:
             logger.debug(f"could not publish our departure: {e!r}")
 
 
+def snapshot_bytes(parts: Parts) -> int:
+    """What ``snapshot`` copies, in bytes (theta counted as G's size)."""
+    state = parts.state
+    return tensor_bytes([state.params, state.params, state.momentum, parts.feedback.residual, parts.lineage.carried,
+                         parts.trainer.optimizer.state_dict()])
+
+
 def snapshot(parts: Parts, run_id: str, round_tokens: int = 0, round_steps: int = 0,
-             merged: Tuple[int, int] = (0, 0)) -> CheckpointPayload:
+             merged: Tuple[int, int] = (0, 0), copy: bool = True) -> CheckpointPayload:
     """Everything a restart resumes from, copied in memory (``frozen``) under the lock, between two inner steps: the
     steps after it and a peer's download (which reads G and m under the lock too) change nothing in it, and the
     checkpoint writer's thread puts it on disk while training goes on. Costs one copy of the state (docs/design.md,
     "Checkpoints"). ``merged``: (tokens, rounds) of pending work that a sync ended but not yet joined merged. With
     overlap, theta is saved as the sync's end leaves it (``LocalModel.settled``): less the eager step if it took
-    none."""
+    none. ``copy`` False: the live tensors, without the lock, for a caller that holds it until they are written
+    (``Peer._checkpoint``, where a copy would not fit in memory)."""
     state, progress = parts.state, parts.progress
-    with parts.lock:
+    take = frozen if copy else (lambda value: value)
+    with parts.lock if copy else contextlib.nullcontext():
         return CheckpointPayload(
             manifest_settings=dict(parts.manifest.settings), manifest_hash=parts.manifest.hash,
             manifest_record=parts.manifest.to_record(), run_id=run_id, peer_id=parts.peer_id,
-            params=frozen(state.params), momentum=frozen(state.momentum), epoch=state.epoch,
+            params=take(state.params), momentum=take(state.momentum), epoch=state.epoch,
             tokens_total=state.tokens_total, merged=dict(state.merged),
             theta=parts.local.settled(parts.layout.empty()),
-            optimizer=frozen(parts.trainer.optimizer.state_dict()), local_steps=parts.trainer.local_steps,
+            optimizer=take(parts.trainer.optimizer.state_dict()), local_steps=parts.trainer.local_steps,
             data_position=parts.stream.position, pending_tokens=progress.pending_tokens - merged[0] + round_tokens,
             round_steps=round_steps, pending_rounds=progress.pending_rounds - merged[1], rounds=progress.rounds,
-            last_loss=progress.last_loss, residual=frozen(parts.feedback.residual),
-            carried=frozen(parts.lineage.carried), recovered_tokens=parts.lineage.recovered_tokens,
+            last_loss=progress.last_loss, residual=take(parts.feedback.residual),
+            carried=take(parts.lineage.carried), recovered_tokens=parts.lineage.recovered_tokens,
         )
 
 
