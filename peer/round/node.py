@@ -37,7 +37,7 @@ from peer.train.model import count_parameters
 logger = logging.getLogger(__name__)
 RECORD_TTL = 60.0  # seconds a peer record lives without a refresh (at least)
 # a checkpoint's snapshot is taken only if this many times its size is free in memory; else the checkpoint is written
-# from the live tensors, on the training thread (a 150m peer on this 24-GiB machine was OOM-killed taking its copy)
+# from the live tensors, on the training thread (a 150m peer on a 24-GiB machine was OOM-killed writing its copy)
 SNAPSHOT_HEADROOM = 1.25
 
 
