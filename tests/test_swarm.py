@@ -80,9 +80,9 @@ def test_lone_peer_learns_and_resumes_from_checkpoint(swarm, tmp_path):
 
 def test_a_peer_whose_state_copy_would_not_fit_in_memory_writes_its_checkpoints_in_place(swarm, tmp_path,
                                                                                             monkeypatch):
-    """A 150m peer on a 24-GiB machine was OOM-killed taking its first checkpoint's copy of the state. A peer whose
-    copy would not fit in the memory free (here 1 MiB, as the peer's process is told) writes the live
-    tensors on its training thread instead, says so once, and what it wrote resumes bit for bit."""
+    """A 150m peer on a 24-GiB machine was OOM-killed writing its first checkpoint from a copy of the state. A peer
+    whose copy would not fit in the memory free (here 1 MiB, as the peer's process is told) writes the live tensors on
+    its training thread instead, says so once, and what it wrote resumes bit for bit."""
     shim = tmp_path / "shim"
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(
