@@ -83,7 +83,8 @@ class Cell:
                 "slow": f"one replica {SLOWDOWN:g}x slower", "outer-lr": f"outer lr {self.outer_lr:g}",
                 "outer-lr-decay": f"outer lr {self.outer_lr:g}, decaying with the inner lr",
                 "averaging": "plain averaging (outer lr 1, momentum 0)",
-                "warm-start": f"data-parallel for the first {self.warm:.0%} of the tokens",
+                "warm-start": f"data-parallel for the first {self.warm:.0%} of the tokens" + (
+                    f", then an outer warm-up over {self.outer_warmup} steps" if self.outer_warmup else ""),
                 "outer-warmup": f"outer warm-up over {self.outer_warmup} steps, from plain averaging to "
                                 f"Nesterov lr {self.outer_lr:g}",
                 "outer-momentum": f"outer momentum {self.outer_momentum:g}" + (
@@ -109,7 +110,8 @@ def cells(args) -> List[Cell]:
         "outer-lr-decay": [dataclasses.replace(centre, axis="outer-lr-decay", outer_lr=lr, outer_lr_decay=True)
                            for lr in args.decayed_outer_lrs],
         "averaging": [dataclasses.replace(centre, axis="averaging", outer_lr=1.0, outer_momentum=0.0)],
-        "warm-start": [dataclasses.replace(centre, axis="warm-start", warm=warm) for warm in args.warm_starts],
+        "warm-start": [dataclasses.replace(centre, axis="warm-start", warm=warm, outer_warmup=steps)
+                       for warm in args.warm_starts for steps in args.warm_start_outer_warmups],
         "outer-warmup": [dataclasses.replace(centre, axis="outer-warmup", outer_warmup=steps, outer_lr=lr)
                          for steps in args.outer_warmups for lr in args.warmed_outer_lrs],
         "outer-momentum": [dataclasses.replace(centre, axis="outer-momentum", outer_momentum=momentum,
@@ -633,6 +635,8 @@ def parse_args(argv: Sequence[str]):
                         help="peak outer lrs of the outer-lr-decay axis")
     parser.add_argument("--warm-starts", type=float, nargs="*", default=[0.2],
                         help="fractions of the tokens trained data-parallel before DiLoCo starts")
+    parser.add_argument("--warm-start-outer-warmups", type=int, nargs="*", default=[0],
+                        help="the outer warm-ups (outer steps) the warm-start axis runs each fraction with")
     parser.add_argument("--outer-warmups", type=int, nargs="*", default=[4, 8],
                         help="outer steps of the outer-warmup axis (plain averaging blended into Nesterov)")
     parser.add_argument("--warmed-outer-lrs", type=float, nargs="*", default=[0.7],
