@@ -7,7 +7,7 @@ checkpointed to a directory on this machine's disk, both ways:
 
 - in the training thread (the peer until the background writer): theta gathered, then ``torch.save`` of the live
   tensors, fsync, rename, fsync of the directory, under the lock;
-- off it (now): ``peer.round.node.snapshot`` (every tensor copied in memory, under the lock) is what the training
+- off it (now): ``peer.round.checkpoints.snapshot`` (every tensor copied in memory, under the lock) is what the training
   thread waits for; ``CheckpointWriter``'s thread writes it.
 
 Also the inner step right after the snapshot, while the writer writes, against the same steps with no write (on a
@@ -34,7 +34,7 @@ from peer.config import RunConfig
 from peer.ops.checkpoint import CheckpointPayload, CheckpointWriter
 from peer.outer.state import GlobalState
 from peer.round.build import Progress
-from peer.round.node import snapshot
+from peer.round.checkpoints import snapshot
 from peer.train.flat import FlatLayout
 from peer.train.inner import InnerTrainer
 from peer.train.model import build_model

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -22,9 +21,9 @@ from dht.addresses import private_only_hint
 from dht.manifest import MANIFEST_TTL, listed_name, publish_manifest
 from dht.node import visible_maddrs
 from peer.config import NodeConfig, SyncConfig
-from peer.hooks import CHECKPOINT, INNER, Hooks
-from peer.ops.checkpoint import CheckpointPayload, CheckpointWriter, frozen, memory_free, tensor_bytes
+from peer.hooks import INNER, Hooks
 from peer.round.build import Parts
+from peer.round.checkpoints import Checkpoints
 from peer.round.inflight import InFlight, start_overlap, sync_round
 from peer.round.metrics import round_record
 from peer.round.schedule import RoundClock
@@ -36,9 +35,6 @@ from peer.train.model import count_parameters
 
 logger = logging.getLogger(__name__)
 RECORD_TTL = 60.0  # seconds a peer record lives without a refresh (at least)
-# a checkpoint's snapshot is taken only if this many times its size is free in memory; else the checkpoint is written
-# from the live tensors, on the training thread (a 150m peer on a 24-GiB machine was OOM-killed writing its copy)
-SNAPSHOT_HEADROOM = 1.25
 
 
 class Peer:
@@ -53,8 +49,7 @@ class Peer:
                                 Clock(), lambda next_sync_at: self._publish(next_sync_at=next_sync_at))
         self.inflight: Optional[InFlight] = None
         self.clock.sync_in_flight = lambda: self.inflight is not None and self.inflight.running()
-        self.manifest_published_at = self.checkpointed_at = time.monotonic()
-        self.wrote_in_place = False  # a checkpoint was written from the live tensors (``_checkpoint``): said once
+        self.manifest_published_at = time.monotonic()
         self.traffic_seen = (0, 0)  # transport bytes counted up to the end of the last round
         self.last_round_seconds: Optional[float] = None
         # what the last round that averaged sent: in our record, for `peer status` (a round that found no group
@@ -65,8 +60,8 @@ class Peer:
         # seconds from this process's start to its first inner step; with ``resumed_hash``, in the first record only
         self.startup_seconds: Optional[float] = None
         self.reported = False  # this process wrote its first round record
-        # started after the last fork of this process (the averager's, in build_parts): no thread runs across a fork
-        self.writer = CheckpointWriter(node.checkpoint_dir) if node.checkpoint_dir else None
+        # after the last fork of this process (the averager's, in build_parts): its writer thread crosses none
+        self.checkpoints = Checkpoints(parts, node, self.hooks, mid_round=island is None)
         # after the averager forked: hivemind ignores SIGINT
         StopOnSignals(self.stop_requested, self.reporter.info, self._leave_stuck,
                       blocked_for=island.blocked_for if island is not None else None)
@@ -127,7 +122,7 @@ class Peer:
             clock.watch(step)
             # the round so far, should this process die; with overlap once the sync in flight has ended (a sync that
             # runs changes the state under the round)
-            if not (self.inflight is not None and self.inflight.running()) and self._checkpoint_due():
+            if not (self.inflight is not None and self.inflight.running()) and self.checkpoints.due():
                 self._checkpoint(round_tokens=tokens, round_steps=step)
             if step == max(1, min(steps, run.round_steps) // 2):
                 self.hooks.at(INNER, epoch_at_start)
@@ -254,38 +249,11 @@ class Peer:
                                f"trained on it since)")
             self.progress.pending_tokens = self.progress.pending_rounds = 0
 
-    def _checkpoint_due(self) -> bool:
-        """Mid-round checkpoints: not on an island (rank 0 would save its ranks' tokens without them)."""
-        every = self.node.checkpoint_every
-        return bool(self.node.checkpoint_dir and every and self.island is None
-                    and time.monotonic() - self.checkpointed_at >= every)
-
     def _checkpoint(self, round_tokens: int = 0, round_steps: int = 0) -> None:
-        """Save everything a restart resumes from. Mid-round, ``round_tokens`` trained in ``round_steps`` steps
-        of the round in progress: they are in theta, and count in the contribution that the restart sends."""
-        if not self.node.checkpoint_dir:
-            return
-        self.checkpointed_at = time.monotonic()
-        # with overlap, mid-round: the sync of the last round ended and is not joined yet (``_finish``); what it
-        # merged is not pending work any more
+        """Save everything a restart resumes from (``Checkpoints.save``). With overlap, mid-round: the sync of the last
+        round ended and is not joined yet (``_finish``); what it merged is not pending work any more."""
         merged = self.inflight.merged() if round_steps and self.inflight is not None else (0, 0)
-        size, free = snapshot_bytes(self.parts), memory_free()
-        in_place = free is not None and size * SNAPSHOT_HEADROOM > free
-        if in_place:
-            if not self.wrote_in_place:
-                logger.warning(f"checkpoints are written on the training thread: a copy of the state "
-                               f"({size / 2**30:.1f} GiB) would not fit in the {free / 2**30:.1f} GiB of free memory, "
-                               f"so training waits for the disk at each one (free some memory to write them in the "
-                               f"background)")
-                self.wrote_in_place = True
-            self.writer.wait()  # first: a peer downloading our state waits for our write only, not for the last one
-        # in place, the live tensors under the lock until they are on disk: nothing changes them meanwhile
-        with self.parts.lock if in_place else contextlib.nullcontext():
-            payload = snapshot(self.parts, self.node.run_id, round_tokens, round_steps, merged=merged,
-                               copy=not in_place)
-            epoch = payload.epoch
-            hook = None if round_steps else (lambda: self.hooks.at(CHECKPOINT, epoch))
-            (self.writer.write_now if in_place else self.writer.submit)(payload, hook)
+        self.checkpoints.save(round_tokens, round_steps, merged)
 
     def _leave_stuck(self, signal_name: str, where: str) -> None:
         """The training thread is stuck in one native call and cannot take a signal (``peer/round/stopping.py``):
@@ -293,8 +261,7 @@ class Peer:
         the last round stays."""
         self.reporter.info(f"{signal_name}: the training thread is stuck in {where}: leaving without the round in "
                            f"progress (the last checkpoint stays)")
-        if self.writer is not None:
-            self.writer.wait(timeout=5.0)  # the last round's, submitted just before
+        self.checkpoints.wait(timeout=5.0)  # the last round's, submitted just before
         telling = threading.Thread(target=self._tell_left, daemon=True)
         telling.start()
         telling.join(timeout=5.0)
@@ -306,8 +273,7 @@ class Peer:
         try:
             self._checkpoint()
         finally:
-            if self.writer is not None:
-                self.writer.close()
+            self.checkpoints.close()
         self.parts.transport.stop()
         self._tell_left()
 
@@ -316,39 +282,6 @@ class Peer:
             self._publish(status="left")
         except Exception as e:  # the p2p daemon may already be gone (Ctrl+C reaches it too)
             logger.debug(f"could not publish our departure: {e!r}")
-
-
-def snapshot_bytes(parts: Parts) -> int:
-    """What ``snapshot`` copies, in bytes (theta counted as G's size)."""
-    state = parts.state
-    return tensor_bytes([state.params, state.params, state.momentum, parts.feedback.residual, parts.lineage.carried,
-                         parts.trainer.optimizer.state_dict()])
-
-
-def snapshot(parts: Parts, run_id: str, round_tokens: int = 0, round_steps: int = 0,
-             merged: Tuple[int, int] = (0, 0), copy: bool = True) -> CheckpointPayload:
-    """Everything a restart resumes from, copied in memory (``frozen``) under the lock, between two inner steps: the
-    steps after it and a peer's download (which reads G and m under the lock too) change nothing in it, and the
-    checkpoint writer's thread puts it on disk while training goes on. Costs one copy of the state (docs/design.md,
-    "Checkpoints"). ``merged``: (tokens, rounds) of pending work that a sync ended but not yet joined merged. With
-    overlap, theta is saved as the sync's end leaves it (``LocalModel.settled``): less the eager step if it took
-    none. ``copy`` False: the live tensors, without the lock, for a caller that holds it until they are written
-    (``Peer._checkpoint``, where a copy would not fit in memory)."""
-    state, progress = parts.state, parts.progress
-    take = frozen if copy else (lambda value: value)
-    with parts.lock if copy else contextlib.nullcontext():
-        return CheckpointPayload(
-            manifest_settings=dict(parts.manifest.settings), manifest_hash=parts.manifest.hash,
-            manifest_record=parts.manifest.to_record(), run_id=run_id, peer_id=parts.peer_id,
-            params=take(state.params), momentum=take(state.momentum), epoch=state.epoch,
-            tokens_total=state.tokens_total, merged=dict(state.merged),
-            theta=parts.local.settled(parts.layout.empty()),
-            optimizer=take(parts.trainer.optimizer.state_dict()), local_steps=parts.trainer.local_steps,
-            data_position=parts.stream.position, pending_tokens=progress.pending_tokens - merged[0] + round_tokens,
-            round_steps=round_steps, pending_rounds=progress.pending_rounds - merged[1], rounds=progress.rounds,
-            last_loss=progress.last_loss, residual=take(parts.feedback.residual),
-            carried=take(parts.lineage.carried), recovered_tokens=parts.lineage.recovered_tokens,
-        )
 
 
 def process_age() -> Optional[float]:
