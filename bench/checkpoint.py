@@ -87,7 +87,8 @@ def measure(preset: str, batch: int, seq_len: int, directory: str) -> dict:
     alone = steps(parts)
     blocking = in_the_training_thread(parts, directory)
     start = time.perf_counter()
-    payload = snapshot(parts, "bench")
+    with parts.lock:
+        payload = snapshot(parts, "bench")
     paused = time.perf_counter() - start
     held = sum(t.numel() * t.element_size() for t in (payload.params, payload.momentum, payload.theta,
                                                      payload.residual))

@@ -12,7 +12,6 @@ training thread then writes the live tensors itself, under the lock (docs/design
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Optional, Tuple
@@ -61,8 +60,9 @@ class Checkpoints:
                                f"background)")
                 self.wrote_in_place = True
             self.writer.wait()  # first: a peer downloading our state waits for our write only, not for the last one
-        # in place, the live tensors under the lock until they are on disk: nothing changes them meanwhile
-        with self.parts.lock if in_place else contextlib.nullcontext():
+        # a copy is taken under the lock; in place, the live tensors stay under it until they are on disk: nothing
+        # changes them meanwhile
+        with self.parts.lock:
             payload = snapshot(self.parts, self.node.run_id, round_tokens, round_steps, merged=merged,
                                copy=not in_place)
             epoch = payload.epoch
@@ -89,25 +89,24 @@ def snapshot_bytes(parts: Parts) -> int:
 
 def snapshot(parts: Parts, run_id: str, round_tokens: int = 0, round_steps: int = 0,
              merged: Tuple[int, int] = (0, 0), copy: bool = True) -> CheckpointPayload:
-    """Everything a restart resumes from, copied in memory (``frozen``) under the lock, between two inner steps: the
-    steps after it and a peer's download (which reads G and m under the lock too) change nothing in it, and the
-    checkpoint writer's thread puts it on disk while training goes on. Costs one copy of the state (docs/design.md,
-    "Checkpoints"). ``merged``: (tokens, rounds) of pending work that a sync ended but not yet joined merged. With
-    overlap, theta is saved as the sync's end leaves it (``LocalModel.settled``): less the eager step if it took
-    none. ``copy`` False: the live tensors, without the lock, for a caller that holds it until they are written
+    """Everything a restart resumes from, copied in memory (``frozen``), between two inner steps; the caller holds the
+    state's lock: the steps after it and a peer's download (which reads G and m under the lock too) change nothing in
+    it, and the checkpoint writer's thread puts it on disk while training goes on. Costs one copy of the state
+    (docs/design.md, "Checkpoints"). ``merged``: (tokens, rounds) of pending work that a sync ended but not yet
+    joined merged. With overlap, theta is saved as the sync's end leaves it (``LocalModel.settled``): less the eager
+    step if it took none. ``copy`` False: the live tensors, for a caller that keeps the lock until they are written
     (``Checkpoints.save``, where a copy would not fit in memory)."""
     state, progress = parts.state, parts.progress
     take = frozen if copy else (lambda value: value)
-    with parts.lock if copy else contextlib.nullcontext():
-        return CheckpointPayload(
-            manifest_settings=dict(parts.manifest.settings), manifest_hash=parts.manifest.hash,
-            manifest_record=parts.manifest.to_record(), run_id=run_id, peer_id=parts.peer_id,
-            params=take(state.params), momentum=take(state.momentum), epoch=state.epoch,
-            tokens_total=state.tokens_total, merged=dict(state.merged),
-            theta=parts.local.settled(parts.layout.empty()),
-            optimizer=take(parts.trainer.optimizer.state_dict()), local_steps=parts.trainer.local_steps,
-            data_position=parts.stream.position, pending_tokens=progress.pending_tokens - merged[0] + round_tokens,
-            round_steps=round_steps, pending_rounds=progress.pending_rounds - merged[1], rounds=progress.rounds,
-            last_loss=progress.last_loss, residual=take(parts.feedback.residual),
-            carried=take(parts.lineage.carried), recovered_tokens=parts.lineage.recovered_tokens,
-        )
+    return CheckpointPayload(
+        manifest_settings=dict(parts.manifest.settings), manifest_hash=parts.manifest.hash,
+        manifest_record=parts.manifest.to_record(), run_id=run_id, peer_id=parts.peer_id,
+        params=take(state.params), momentum=take(state.momentum), epoch=state.epoch,
+        tokens_total=state.tokens_total, merged=dict(state.merged),
+        theta=parts.local.settled(parts.layout.empty()),
+        optimizer=take(parts.trainer.optimizer.state_dict()), local_steps=parts.trainer.local_steps,
+        data_position=parts.stream.position, pending_tokens=progress.pending_tokens - merged[0] + round_tokens,
+        round_steps=round_steps, pending_rounds=progress.pending_rounds - merged[1], rounds=progress.rounds,
+        last_loss=progress.last_loss, residual=take(parts.feedback.residual),
+        carried=take(parts.lineage.carried), recovered_tokens=parts.lineage.recovered_tokens,
+    )
