@@ -37,6 +37,7 @@ from peer.round.build import Progress
 from peer.round.checkpoints import snapshot
 from peer.train.flat import FlatLayout
 from peer.train.inner import InnerTrainer
+from peer.train.local import LocalModel
 from peer.train.model import build_model
 from peer.train.tokenizer import load_tokenizer
 
@@ -54,7 +55,8 @@ def peer_state(preset: str, batch: int, seq_len: int) -> SimpleNamespace:
     state = GlobalState(params=layout.gather(trainer.params, layout.empty()), momentum=torch.randn(layout.numel))
     return SimpleNamespace(
         state=state, progress=Progress(), manifest=RunManifest("bench", run.to_settings()), peer_id="bench",
-        layout=layout, trainer=trainer, stream=SimpleNamespace(position=0), lock=threading.Lock(),
+        layout=layout, trainer=trainer, local=LocalModel(trainer, layout), stream=SimpleNamespace(position=0),
+        lock=threading.Lock(),
         feedback=SimpleNamespace(residual=torch.randn(layout.numel)),
         lineage=SimpleNamespace(carried=None, recovered_tokens=0), batches=batches)
 
