@@ -1,4 +1,5 @@
-"""The benchmarks' own parts that a wrong result would hide in: here, the data-parallel baseline's restart."""
+"""The benchmarks' own parts that a wrong result would hide in: the data-parallel baseline's restart, the scale
+simulation, the head-to-head's comparison, the checkpoint bench's stand-in peer."""
 
 import sys
 
@@ -90,3 +91,15 @@ def test_the_head_to_head_compares_what_each_system_held_at_the_same_wall_time()
                                                                       "trained alone"]
     curve = Curve("dp", points=[(5.0, 0, 5.5), (20.0, 80, 3.2)])
     assert (curve.at(4.0), curve.at(5.0), curve.at(19.9), curve.at(60.0)) == (None, 5.5, 5.5, 3.2)
+
+
+def test_the_checkpoint_bench_measures_the_products_snapshot_and_writes_what_a_restart_loads(tmp_path):
+    """``bench/checkpoint.py`` stands in for a peer's parts; a part the product's ``snapshot`` reads and the stand-in
+    lacks (``local``, once) broke it unseen."""
+    from bench.checkpoint import measure
+    from peer.ops.checkpoint import CheckpointPayload
+
+    row = measure("micro", 1, 32, str(tmp_path))
+    saved = CheckpointPayload.load(str(tmp_path))
+    assert row["file"] == (tmp_path / "state.pt").stat().st_size > row["held"] > 0
+    assert saved.run_id == "bench" and saved.theta.numel() == saved.params.numel() == row["params"]
