@@ -12,7 +12,7 @@ need at the link's rate, with the peers training beside it. This takes training 
   through the p2p daemon), running ``--rounds`` all-reduces of ``--values`` random values;
 
 and reports, per mode, the slowest member's seconds against the bytes' time at the link's rate. The all-reduce runs
-once per ``--part-sizes`` (nominal encoded bytes a part: the fixed 1 MiB before ``allreduce.part_bytes``, and 0 for
+once per ``--part-sizes`` (nominal encoded bytes a part: the fixed 1 MiB before ``parts.part_bytes``, and 0 for
 the peer's own choice), all on one network; the TCP mode sends what the last of them sent.
 """
 
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--period", type=float, default=90.0, help="seconds between the rounds' planned starts")
     parser.add_argument("--part-sizes", default="1048576,0",
                         help="comma-separated part sizes in bytes, one all-reduce run each; 0: the peer's own "
-                             "(allreduce.part_bytes); 1048576: the fixed size before it")
+                             "(parts.part_bytes); 1048576: the fixed size before it")
     parser.add_argument("--part-timeout", type=float, default=300.0,
                         help="the peer's --part-timeout: most seconds a member waits for a groupmate's next part")
     args = parser.parse_args(argv)

@@ -1,10 +1,10 @@
-"""How an all-reduce cuts its vector into parts (``allreduce.part_bytes``): balanced shares, whole codec blocks."""
+"""How an all-reduce cuts its vector into parts (``parts.part_bytes``): balanced shares, whole codec blocks."""
 
 import pytest
 import torch
 from diloco_compression import CODECS, get_codec
 
-from peer.averaging.allreduce import PART_BYTES, CodecCompression, ExactPartContainer, part_bytes
+from peer.averaging.parts import PART_BYTES, CodecCompression, ExactPartContainer, part_bytes
 
 FRAGMENT = 2_800_000  # about one fragment of the small preset (10.7M values) at --fragments 4
 

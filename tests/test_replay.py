@@ -106,7 +106,7 @@ def test_a_lone_steps_quantized_delta_survives_its_encoding_as_a_result_bit_for_
     from diloco_compression import get_codec
     from diloco_compression.feedback import ErrorFeedback
 
-    from peer.averaging.allreduce import CodecCompression
+    from peer.averaging.parts import CodecCompression
     from peer.averaging.results import LONE_PART_VALUES, decode_parts
 
     codec = get_codec(name)

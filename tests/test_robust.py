@@ -105,7 +105,7 @@ def test_a_sender_whose_stream_is_cancelled_fails_the_part_as_its_own_loss():
     part await must not be cancelled with it, or the whole group reads a cancellation instead of the lost sender."""
     import asyncio
 
-    from peer.averaging.allreduce import RobustPartReducer
+    from peer.averaging.parts import RobustPartReducer
     from peer.swarm.failures import GroupLostMember
 
     async def run():
@@ -130,7 +130,7 @@ def test_a_resumed_stream_sends_a_part_again_and_it_counts_once():
     a part sent out of order fails the reduction by name."""
     import asyncio
 
-    from peer.averaging.allreduce import RobustPartReducer
+    from peer.averaging.parts import RobustPartReducer
     from peer.swarm.failures import GroupLostMember
 
     async def run():

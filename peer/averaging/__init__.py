@@ -1,7 +1,9 @@
 """What runs in the averager process: hivemind's DecentralizedAverager, made exact, robust and shareable.
 
 - ``averager.py``   ``SwarmAverager``: round keys, the consensus gate over the gathered contributions, the all-reduce
-- ``allreduce.py``  the exact butterfly all-reduce (bit-identical results or a clean failure)
+- ``allreduce.py``  the exact butterfly all-reduce (bit-identical results or a clean failure): the sender's half
+- ``reducing.py``   its reducer's half: each sender's stream answered, a broken one resumed, a late or wrong one dropped
+- ``parts.py``      its parts: sized, encoded by our codecs, summed over every sender (robustly, idempotently)
 - ``robust.py``     robust aggregation of one part (median, clipping, rejection): pure tensors
 - ``bans.py``       offences counted across rounds, and bans
 - ``leaders.py``    whom a round's matchmaking asks to lead its group: the expected peers our records name

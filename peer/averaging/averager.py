@@ -87,7 +87,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         # how long past our window we still wait for a leader's group: its window ends at most one grace after ours,
         # if it reached the meeting before our window ended (``internals.wait_past_window``)
         self.patience = grace_seconds
-        self.part_size_bytes = part_size_bytes  # None: sized per all-reduce (``allreduce.part_bytes``)
+        self.part_size_bytes = part_size_bytes  # None: sized per all-reduce (``parts.part_bytes``)
         self.max_upload_mbit = max_upload_mbit  # pace our sends below this (0: unpaced; peer/averaging/pacing.py)
         self.round_epoch = -1  # the epoch being synced, as set by prepare_round (averager process)
         self.round_phase, self.round_key = GROUP, ""  # which all-reduce this round's step runs, and the round's key

@@ -29,8 +29,8 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout, enter_asynchronously
 
 from dht import internals
-from peer.averaging.allreduce import CodecCompression
 from peer.averaging.inuse import InUse
+from peer.averaging.parts import CodecCompression
 from peer.averaging.striping import StreamCut, stripe
 
 logger = logging.getLogger(__name__)
