@@ -197,7 +197,7 @@ def test_with_overlap_a_peer_catching_up_is_told_to_the_group_whose_next_round_l
     if someone_late:
         peer.transport.peers["late"] = record("late", epoch - 1, "older", 900, next_sync_at=peer.clock.now + 30.0)
     planned = peer.run.round_steps * 1.0  # H steps at the members' pace of 1 s
-    peer.synchronizer.sync_seconds = planned / 1.5  # syncs fill two thirds of a round: it needs no stretch
+    peer.synchronizer.meeting.sync_seconds = planned / 1.5  # syncs fill two thirds of a round: it needs no stretch
     peer.transport.scripts.append(with_group(("a", theirs(peer, step_seconds=1.0, sync_seconds=planned / 1.5))))
     result = peer.sync(tokens=100, step_seconds=1.0, overlapped=True)
     assert result.applied and peer.transport.sent[0][0].late == someone_late
@@ -689,7 +689,7 @@ def test_with_overlap_a_group_whose_syncs_outlast_its_rounds_stretches_the_next_
     assert peer.transport.sent[-1][0].sync_seconds == 50.0  # our last sync's length, told to the group
     assert second.next_round_seconds == pytest.approx(min(MAX_STRETCH * planned, SYNC_HEADROOM * 60.0))
     assert second.stretch == pytest.approx(second.next_round_seconds / planned) and second.stretch > 1
-    assert peer.synchronizer.sync_seconds == 40.0  # a moving average of our applied syncs' lengths
+    assert peer.synchronizer.meeting.sync_seconds == 40.0  # a moving average of our applied syncs' lengths
 
 
 def test_a_group_waits_longer_for_its_members_where_syncs_are_long():

@@ -2,6 +2,7 @@
 
 - ``decide.py``     the round's decisions as one pure function over a typed view: ``decide(view) -> Action``
 - ``sync.py``       ``Synchronizer``: one round's sync, acting on those decisions (attempt, average, apply)
+- ``meeting.py``    when a sync meets its group: the planned meeting, the window past it, the waits around it
 - ``outer.py``      ``OuterStep``: this peer's side of the outer step (the delta it sends, the step it applies)
 - ``cross.py``      ``Crossing``: a round of many groups past our group's all-reduce (cross as delegate, receive)
 - ``catchup.py``    adopting a better state: download, hash check, rebase; settling; handing over on leaving

@@ -42,12 +42,14 @@ from typing import Optional, Tuple
 from dht.records import PeerRecord
 from peer.swarm.consensus import (
     MAX_MISSED,
+    holds_state,
     joining,
     minority,
     peers_ahead,
     peers_behind,
     peers_with_state,
     producers_behind,
+    responsive,
     syncing_now,
     voters,
 )
@@ -399,3 +401,14 @@ def describe(outcome: Optional[Outcome], detail: str = "", count: int = 0) -> Op
         return None
     return _TEXT[outcome].format(detail=detail, count=count)
 
+
+
+def why_alone(view: View, dht_lag: float) -> str:
+    """A lone step may fork the run: the log says what the peer saw (``dht_lag``: how late the DHT delivers)."""
+    at_ours = [r for r in view.records if holds_state(r, view.mine)]
+    silent = sum(not responsive(r, view.now) for r in at_ours)
+    return (f"stepping alone at epoch {view.mine.epoch} after {view.phase.value}, {view.lonely} round(s) without "
+            f"applying or meeting a peer at our state: {len(view.records)} other record(s) known, "
+            f"{len(at_ours)} at our state ({silent} silent)"
+            + ("; our last read of the records timed out" if view.lookup_failed else "")
+            + (f"; the DHT delivers records {dht_lag:.0f} s late" if dht_lag else ""))

@@ -35,20 +35,20 @@ from peer.outer.state import GlobalState
 from peer.round.announce import Announcer
 from peer.round.catchup import StateCatchUp
 from peer.round.cross import Crossing
-from peer.round.decide import Action, Do, Outcome, Phase, View, classify, decide, describe
+from peer.round.decide import Action, Do, Outcome, Phase, View, classify, decide, describe, why_alone
+from peer.round.meeting import Meeting
 from peer.round.outer import OuterStep
 from peer.swarm.clock import Clock
-from peer.swarm.consensus import SYNCING, catching_up, holds_state, peers_ahead, responsive
+from peer.swarm.consensus import SYNCING, catching_up, peers_ahead, responsive
 from peer.swarm.deadlines import Deadlines
 from peer.swarm.metadata import Averaged, Contribution
 from peer.swarm.records import RecordCache
-from peer.swarm.timing import matchmaking_grace, matchmaking_window, next_round, round_end
+from peer.swarm.timing import matchmaking_window, next_round, round_end
 from peer.train.flat import FlatLayout
 from peer.train.local import LocalModel
 
 logger = logging.getLogger(__name__)
 
-LATE_SLACK = 1.0  # seconds past its planned meeting at which a sync counts as late (its last one overran)
 REBASED = (Outcome.CAUGHT_UP, Outcome.MISSED_GROUP, Outcome.MINORITY_ADOPTED, Outcome.GROUP_FINISHED_WITHOUT_US)
 MET_OTHERS = (Outcome.MINORITY, Outcome.DELEGATE_LOST)  # not applied, but a group of peers at our state formed
 
@@ -111,10 +111,7 @@ class Synchronizer:
         self.has_moment, self.hooks, self.initial_peer_ids = has_moment, hooks, tuple(initial_peer_ids)
         self.step_seconds: Optional[float] = None
         self.hinted = False  # told the user how to keep a thin uplink's socket queues short
-        # how long the attempts that applied took, from their start to the outer step (a moving average; not the
-        # catch-up before them, nor failed attempts); told to the group with overlap
-        self.sync_seconds: Optional[float] = None
-        self.last_group: Tuple[str, ...] = ()  # the members of the last group whose round we applied
+        self.meeting = Meeting(clock, catchup, cache, announcer.identity.peer_id, run.grace_seconds)
         # rounds in a row we sat at this epoch without applying: what the escapes from waiting count (not the
         # unmerged rounds, which include rounds lost catching up; a peer that just adopted the swarm's state is
         # not stalled, and once counted as such it forked a majority still at work)
@@ -135,43 +132,24 @@ class Synchronizer:
         ``step_seconds``: this peer's recent seconds per inner step, shared with the group so that every
         member computes the same length for the next round (H steps of the median member).
         ``planned_end``: with overlap, when the round now training is planned to end, shared with the group.
-        ``meet_at``: when the round that just ended was planned to end (DHT time). A peer ends its inner phase at
-        the last step that ends by then (``RoundClock.over``), so it is early, never late, and its group's
-        matchmaking window runs from then, not from its own arrival: a slow peer's last step costs nobody a group.
+        ``meet_at``: when the round that just ended was planned to end (DHT time), where its group meets
+        (``meeting.py``).
         ``overlapped``: this sync runs while the next round trains; the group stretches that round if its syncs
         take longer (``timing.next_round``).
         """
         self.step_seconds = step_seconds
         if self.state.epoch != self.stuck_epoch:
             self.stuck, self.lonely, self.stuck_epoch = 0, 0, self.state.epoch
-        early = max(0.0, meet_at - self.clock.dht_time()) if meet_at is not None else 0.0
-        slept = max(0.0, early - self.grace())
-        if slept:
-            # far ahead of the meeting (a fast peer, or a sync launched as its next round began): the records read now
-            # would be stale by then, and a group's leader closes it at the count it expects, so a holder it missed
-            # met nobody. Read them, and join, a window before the meeting
-            self.clock.sleep(slept)
-            early -= slept
-        budget += early
-        late = meet_at is not None and self.clock.dht_time() > meet_at + LATE_SLACK
-        awaited = 0.0
-        if late and self.last_group:
-            # they got the last round's parts seconds apart: read at once, their records show them behind us, and
-            # we would form a group without them (a minority of 2, every other round on a 1 Mbit/s link)
-            began = self.clock.monotonic()
-            self.catchup.await_members(set(self.last_group) - {self.announcer.identity.peer_id}, began + self.grace())
-            awaited = self.clock.monotonic() - began
+        arrival = self.meeting.arrive(meet_at)
+        budget += arrival.early
         attempt = _Attempt(tokens, missed_rounds, self.clock.monotonic() + budget, planned_end, meet_at=meet_at,
-                           meets=self.clock.monotonic() + early, overlapped=overlapped)
+                           meets=self.clock.monotonic() + arrival.early, overlapped=overlapped)
         result = self._sync(attempt, budget)
-        if result.applied:
-            self.last_group = result.group
-        result.waited, result.deadline = slept + early + awaited, slept + budget + awaited
+        self.meeting.observe(result.group if result.applied else None, result.averaging_seconds)
+        result.waited = arrival.slept + arrival.early + arrival.awaited
+        result.deadline = arrival.slept + budget + arrival.awaited
         self.stuck = 0 if result.applied or result.rebased else self.stuck + 1
         self.lonely = 0 if self.stuck == 0 or result.outcome in MET_OTHERS else self.lonely + 1
-        seconds = result.averaging_seconds
-        if seconds is not None:  # how long our syncs take (``timing.next_round``, ``timing.matchmaking_grace``)
-            self.sync_seconds = seconds if self.sync_seconds is None else 0.5 * (self.sync_seconds + seconds)
         return result
 
     def _sync(self, attempt: _Attempt, budget: float) -> SyncResult:
@@ -188,7 +166,7 @@ class Synchronizer:
             if action.do is Do.FINISH:
                 break
             if action.do is Do.STEP_ALONE:
-                logger.info(self._why_alone(view))
+                logger.info(why_alone(view, self.cache.lag))
                 self._apply_alone(attempt.tokens, result)
                 break
             if action.do is Do.APPLY:
@@ -210,16 +188,6 @@ class Synchronizer:
             if attempt.crossed is not None:  # as a delegate without the round's result: our groupmates stop waiting
                 self.transport.give_up_result(*attempt.crossed)
         return result
-
-    def _why_alone(self, view: View) -> str:
-        """A lone step may fork the run: the log says what the peer saw."""
-        at_ours = [r for r in view.records if holds_state(r, view.mine)]
-        silent = sum(not responsive(r, view.now) for r in at_ours)
-        return (f"stepping alone at epoch {view.mine.epoch} after {view.phase.value}, {view.lonely} round(s) without "
-                f"applying or meeting a peer at our state: {len(view.records)} other record(s) known, "
-                f"{len(at_ours)} at our state ({silent} silent)"
-                + ("; our last read of the records timed out" if view.lookup_failed else "")
-                + (f"; the DHT delivers records {self.cache.lag:.0f} s late" if self.cache.lag else ""))
 
     def _enter(self, budget: float) -> None:
         """Say we sync (silent until the budget ends, yet alive) and ping who went silent: a healed partition
@@ -331,7 +299,7 @@ class Synchronizer:
             if attempt.overlapped else []
         return Contribution(epoch=mine.epoch, hash=mine.state_hash, tokens=attempt.tokens, align=attempt.align,
                             step_seconds=self.step_seconds, missed=self.stuck, voters=action.voters,
-                            sync_seconds=self.sync_seconds if attempt.overlapped else None,
+                            sync_seconds=self.meeting.sync_seconds if attempt.overlapped else None,
                             late=len(late),
                             weight=attempt.tokens * self.run.stale_discount ** attempt.missed_rounds,
                             groups=action.groups, client=self.announcer.identity.client_mode)
@@ -374,6 +342,4 @@ class Synchronizer:
         return self.config.round_budget(self.grace(), self.deadlines.allreduce())
 
     def grace(self) -> float:
-        """The matchmaking window past the planned meeting: longer on a link whose syncs are long, and on a DHT
-        that delivers late."""
-        return matchmaking_grace(self.run.grace_seconds, self.sync_seconds, self.cache.lag)
+        return self.meeting.grace()
