@@ -17,10 +17,10 @@ import dataclasses
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
-from diloco_compression import get_codec
+from diloco_compression import Codec, get_codec
 from diloco_compression.feedback import ErrorFeedback, roundtrip
 
 from dht.addresses import parse_maddrs
@@ -124,10 +124,7 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
         dht = dht_ready(dht, net)
         peer_id = dht.peer_id.to_base58()
         manifest, created = resolve_manifest(dht, namespace, run_flags, node, net, payload, proposal)  # the right run
-        restarted, net, reach = reachable(dht, net, validators)
-        if restarted is not dht:  # relayed, or in client mode: the first one is shut down
-            dht = restarted
-            closer.callback(stop_process, dht)
+        dht, net, reach = _reachable(dht, net, validators, closer)
         discard_made_up_identity(net)  # our DHT node runs for good now
         run = _as_here(manifest.settings, run_flags)  # this node's model copies
         if node.checkpoint_dir:
@@ -136,10 +133,7 @@ def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, n
                                                 config=dict(manifest.settings, peer_id=peer_id))
         if node.dashboard:
             _serve_dashboard(node, dht, namespace, closer, reporter)
-        if local is None or local.run != run:
-            if island is not None:  # the other ranks build the same trainer from the same settings
-                island.share(dict(settings=dataclasses.asdict(run), shard_key=peer_id))
-            local = _local_side(run, node, island, payload)
+        local = _local_for(run, local, node, island, payload, peer_id)
         if payload is not None:
             _say_resumed(payload, local.progress, node, reporter)
         stream = local.corpus.stream(run.seed, peer_id, local.position)
@@ -181,6 +175,25 @@ def _local_side(run: RunConfig, node: NodeConfig, island: Optional[Island],
     return LocalSide(run, corpus, trainer, layout, state, progress, position)
 
 
+def _local_for(run: RunConfig, early: Optional[LocalSide], node: NodeConfig, island: Optional[Island],
+               payload: Optional[CheckpointPayload], peer_id: str) -> LocalSide:
+    """The local side of the run the swarm agreed on: the one built before the swarm answered if it is that run's,
+    else one built now."""
+    if early is not None and early.run == run:
+        return early
+    if island is not None:  # the other ranks build the same trainer from the same settings
+        island.share(dict(settings=dataclasses.asdict(run), shard_key=peer_id))
+    return _local_side(run, node, island, payload)
+
+
+def _reachable(dht, net: DHTConfig, validators, closer: contextlib.ExitStack) -> Tuple[Any, DHTConfig, Reach]:
+    """Our DHT as the swarm reaches it: relayed, or in client mode, it is a new one (the first is shut down)."""
+    restarted, net, reach = reachable(dht, net, validators)
+    if restarted is not dht:
+        closer.callback(stop_process, restarted)
+    return restarted, net, reach
+
+
 def _as_here(settings, run_flags: Dict[str, Any]) -> RunConfig:
     """A manifest's run as this node loads it: its own copies of a Hugging Face model and tokenizer."""
     return localized(RunConfig.from_settings(dict(settings)), run_flags)
@@ -205,21 +218,8 @@ def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, reach: Reach,
         with lock:
             return state.metadata(), [state.params.clone(), state.momentum.clone()]
 
-    # a round averages one fragment of the flat vector (the whole of it without --fragments)
-    size = Fragments(layout.numel, run.fragments).size
-    # what a member sends in a round's all-reduce, at most: 2 (n - 1) / n of the payload, and the first moment too
-    ceiling = sync.allreduce_ceiling(2 * (1 + bool(run.align_every)) * codec.wire_bytes(size))
-    delta = torch.zeros(size).share_memory_()
-    moment = torch.zeros(size).share_memory_() if run.align_every else None
-    averager = SwarmAverager(
-        delta, moment, dht, prefix=f"{namespace}_{manifest.hash}", codec=codec, state_provider=share_state,
-        quorum=run.quorum, grace_seconds=run.grace_seconds, request_timeout=sync.request_timeout,
-        allreduce_timeout=ceiling, part_timeout=sync.part_timeout, client_mode=net.client_mode,
-        hooks=hooks, clip_factor=run.clip_factor, ban_after=run.ban_after, state_size=layout.numel,
-        max_upload_mbit=sync.max_upload,
-    )
-    averager.run_in_background(await_ready=True)
-    closer.callback(stop_process, averager)
+    averager, ceiling = _start_averager(run, sync, net, hooks, dht, f"{namespace}_{manifest.hash}", codec,
+                                        layout.numel, share_state, closer)
     transport = SwarmTransport(dht, averager, namespace, run.grace_seconds)
     closer.callback(transport.stop)
     clock, cache, local = Clock(), RecordCache(peer_id), LocalModel(trainer, layout)
@@ -237,10 +237,31 @@ def _round_parts(run: RunConfig, sync: SyncConfig, net: DHTConfig, reach: Reach,
     initial = tuple(m["p2p"] for m in parse_maddrs(net.initial_peers, flag="--initial-peers", need_peer_id=True))
     synchronizer = Synchronizer(transport=transport, clock=clock, cache=cache, announcer=announcer, catchup=catchup,
                                 state=state, local=local, layout=layout, lineage=lineage, feedback=feedback,
-                                lock=lock, deadlines=deadlines, run=run, sync=sync, has_moment=moment is not None,
+                                lock=lock, deadlines=deadlines, run=run, sync=sync, has_moment=bool(run.align_every),
                                 hooks=hooks, initial_peer_ids=initial)
     return dict(feedback=feedback, averager=averager, transport=transport, cache=cache, announcer=announcer,
                 lineage=lineage, local=local, catchup=catchup, synchronizer=synchronizer, lock=lock, closer=closer)
+
+
+def _start_averager(run: RunConfig, sync: SyncConfig, net: DHTConfig, hooks: Hooks, dht, prefix: str, codec: Codec,
+                    numel: int, share_state: Callable, closer: contextlib.ExitStack) -> Tuple[SwarmAverager, float]:
+    """The averager process, on buffers of one round's fragment; and the longest its all-reduce may take."""
+    # a round averages one fragment of the flat vector (the whole of it without --fragments)
+    size = Fragments(numel, run.fragments).size
+    # what a member sends in a round's all-reduce, at most: 2 (n - 1) / n of the payload, and the first moment too
+    ceiling = sync.allreduce_ceiling(2 * (1 + bool(run.align_every)) * codec.wire_bytes(size))
+    delta = torch.zeros(size).share_memory_()
+    moment = torch.zeros(size).share_memory_() if run.align_every else None
+    averager = SwarmAverager(
+        delta, moment, dht, prefix=prefix, codec=codec, state_provider=share_state,
+        quorum=run.quorum, grace_seconds=run.grace_seconds, request_timeout=sync.request_timeout,
+        allreduce_timeout=ceiling, part_timeout=sync.part_timeout, client_mode=net.client_mode,
+        hooks=hooks, clip_factor=run.clip_factor, ban_after=run.ban_after, state_size=numel,
+        max_upload_mbit=sync.max_upload,
+    )
+    averager.run_in_background(await_ready=True)
+    closer.callback(stop_process, averager)
+    return averager, ceiling
 
 
 def _checkpoint_and_identity(node: NodeConfig, net: DHTConfig):
