@@ -293,9 +293,9 @@ def table(rows: List[Row], args) -> str:
         if cell is None:
             settings = f"{row.replicas} | every step | fp32 | - | - | ({row.results[0].eval_rounds[-1]})"
         else:
-            settings = (f"{cell.replicas} | {cell.inner_steps} | {cell.compression} | "
-                        f"{f'every {args.align_every}' if cell.align else 'off'} | {'on' if cell.feedback else 'off'} "
-                        f"| {row.results[0].eval_rounds[-1]}")
+            aligned = f"every {args.align_every}" if cell.align and args.align_every else "off"
+            settings = (f"{cell.replicas} | {cell.inner_steps} | {cell.compression} | {aligned} | "
+                        f"{'on' if cell.feedback else 'off'} | {row.results[0].eval_rounds[-1]}")
         lines.append(f"| {row.label} | {settings} | {per_seed} | {row.loss:.4f} | {row.gap:+.2f}% | "
                      f"{row.equivalent:.0%} of the tokens | {fmt_bytes(row.bytes_sent)} | {row.ratio:,.0f}x |")
     return "\n".join(lines)
@@ -313,11 +313,12 @@ def goal(rows: List[Row], args) -> str:
                f"({args.compression}'s size depends on the values it codes).")
     else:
         bits = 8 * codec.wire_bytes(1 << 20) / (1 << 20)
-        ceiling = args.inner_steps * 32 / bits / (1 + 1 / args.align_every)
+        k = args.align_every  # 0: the first moment never travels
+        ceiling = args.inner_steps * 32 / bits / (1 + (1 / k if k else 0))
+        moment, term = (f", plus its encoded first moment every {k} rounds", f" / (1 + 1/{k})") if k else ("", "")
         how = (f"By construction: a replica sends one encoded pseudo-gradient every H={args.inner_steps} steps, "
-               f"{args.compression} at {bits:.2f} bits a value, plus its encoded first moment every "
-               f"{args.align_every} rounds, where data-parallel sends 32 bits a value every step: "
-               f"{args.inner_steps} x 32 / {bits:.2f} / (1 + 1/{args.align_every}) = {ceiling:,.0f}x, whatever the "
+               f"{args.compression} at {bits:.2f} bits a value{moment}, where data-parallel sends 32 bits a value "
+               f"every step: {args.inner_steps} x 32 / {bits:.2f}{term} = {ceiling:,.0f}x, whatever the "
                f"model. Both all-reduces move 2(M-1)/M of these bytes per replica, which cancels.")
     return "\n".join([
         f"- Eval-loss gap of the centre to data-parallel: **{centre.gap:+.2f}%** (goal: at most +1%: "

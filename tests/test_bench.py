@@ -1,5 +1,5 @@
 """The benchmarks' own parts that a wrong result would hide in: the data-parallel baseline's restart, the scale
-simulation, the head-to-head's comparison, the checkpoint bench's stand-in peer."""
+simulation, the head-to-head's comparison, the checkpoint bench's stand-in peer, the convergence sweep's goal."""
 
 import sys
 
@@ -103,3 +103,18 @@ def test_the_checkpoint_bench_measures_the_products_snapshot_and_writes_what_a_r
     saved = CheckpointPayload.load(str(tmp_path))
     assert row["file"] == (tmp_path / "state.pt").stat().st_size > row["held"] > 0
     assert saved.run_id == "bench" and saved.theta.numel() == saved.params.numel() == row["params"]
+
+
+def test_the_convergence_sweeps_goal_counts_the_bytes_of_a_run_without_alignment():
+    """With a fixed-size codec the sweep's goal computes data-parallel's bytes over the centre's by construction;
+    with alignment off (``--align-every 0``) no first moment travels, and the report divided by zero instead."""
+    from types import SimpleNamespace
+
+    from bench.convergence import goal
+
+    centre = SimpleNamespace(label="centre", gap=2.37, ratio=10.0, cell=SimpleNamespace(compression="none"))
+    args = SimpleNamespace(compression="none", inner_steps=2, align_every=0)
+    text = goal([centre], args)
+    assert "2 x 32 / 32.00 = 2x" in text and "first moment" not in text
+    aligned = goal([centre], SimpleNamespace(compression="none", inner_steps=2, align_every=4))
+    assert "2 x 32 / 32.00 / (1 + 1/4) = 2x" in aligned and "first moment every 4 rounds" in aligned
