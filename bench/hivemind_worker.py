@@ -30,7 +30,8 @@ import hivemind
 import torch
 from hivemind.compression import Float16Compression
 
-from dht.node import DHTConfig, fork_children, start_dht
+from dht.node import DHTConfig, start_dht
+from dht.processes import fork_children
 from peer.config import RunConfig
 from peer.train.data import load_corpus
 from peer.train.inner import mean_loss

@@ -19,7 +19,8 @@ from typing import Optional, Sequence, Tuple
 from dht.addresses import private_only_hint
 from dht.cli import Parser, add_arguments, from_args
 from dht.errors import UserError
-from dht.node import DHTConfig, start_dht, stop_process, visible_maddrs
+from dht.node import DHTConfig, start_dht, visible_maddrs
+from dht.processes import stop_process
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[DHTConfig, Optional[str]]:

@@ -8,7 +8,8 @@ import logging
 from typing import Tuple
 
 from dht.addresses import parse_maddrs
-from dht.node import DHTConfig, SwarmDHT, start_dht, stop_process, visible_maddrs
+from dht.node import DHTConfig, SwarmDHT, start_dht, visible_maddrs
+from dht.processes import stop_process
 from dht.reach import Reach, ask_to_dial_back, circuit_addresses, dialable
 
 logger = logging.getLogger(__name__)

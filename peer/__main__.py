@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 
 from dht.cli import Parser, add_arguments, explicit_values
 from dht.errors import UserError
-from dht.node import DHTConfig, fork_children
+from dht.node import DHTConfig
+from dht.processes import fork_children
 from peer import config_file
 from peer.config import NodeConfig, RunConfig, SyncConfig
 from peer.ops.orphans import quiet_orphaned_tasks

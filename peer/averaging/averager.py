@@ -34,7 +34,8 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import achain, as_aiter, azip, enter_asynchronously
 
 from dht import internals
-from dht.node import drop_connections, init_child_process
+from dht.node import drop_connections
+from dht.processes import init_child_process
 from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.bans import Bans
 from peer.averaging.inuse import InUse

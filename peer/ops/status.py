@@ -138,7 +138,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rich.live import Live
 
     from dht.manifest import run_namespace
-    from dht.node import DHTConfig, start_dht, stop_process
+    from dht.node import DHTConfig, start_dht
+    from dht.processes import stop_process
     from dht.validation import run_validators
 
     namespace = run_namespace(args.run_id, args.run_token)

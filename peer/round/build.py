@@ -27,7 +27,8 @@ from dht.addresses import parse_maddrs
 from dht.errors import UserError
 from dht.joining import reachable
 from dht.manifest import RunManifest, join_or_create, listed_name, publish_manifest, run_namespace
-from dht.node import DHTConfig, dht_ready, discard_made_up_identity, signing_identity, start_dht, stop_process
+from dht.node import DHTConfig, dht_ready, discard_made_up_identity, signing_identity, start_dht
+from dht.processes import stop_process
 from dht.reach import Reach
 from dht.validation import run_validators
 from peer import config_file
