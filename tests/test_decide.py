@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from dht.records import PeerRecord
-from peer.round.decide import Action, Do, Failure, Outcome, Phase, View, decide, describe, settle_longer
+from peer.round.decide import Action, Do, Failure, Phase, View, decide, settle_longer
+from peer.round.outcomes import Outcome, describe
 from peer.swarm import grouping
 from peer.swarm.consensus import MAX_MISSED, SYNCING
 from peer.swarm.failures import NoMajority

@@ -12,7 +12,7 @@ from peer.config import RunConfig
 from peer.outer.fragments import Fragments
 from peer.outer.nesterov import nesterov_step
 from peer.outer.state import merge_contributors, state_hash
-from peer.round.decide import Outcome
+from peer.round.outcomes import Outcome
 from peer.swarm.failures import MaybeApplied
 from tests.harness.fake import FakePeer, record, with_group
 from tests.test_local import flat, make

@@ -15,8 +15,8 @@ import torch
 
 from peer.config import RunConfig
 from peer.outer.nesterov import nesterov_step
-from peer.round.decide import Outcome
 from peer.round.inflight import sync_round
+from peer.round.outcomes import Outcome
 from peer.round.schedule import RoundClock
 from peer.swarm.consensus import MAX_MISSED, SYNCING, responsive
 from peer.swarm.failures import DelegateLost, GroupLostMember, MaybeApplied, MinorityGroup, NoGroup, NoMajority

@@ -1,6 +1,7 @@
 """The node and its rounds: build the parts, train, sync, report, checkpoint.
 
 - ``decide.py``     the round's decisions as one pure function over a typed view: ``decide(view) -> Action``
+- ``outcomes.py``   how a sync ended (``Outcome``), and the line it says about it
 - ``sync.py``       ``Synchronizer``: one round's sync, acting on those decisions (attempt, average, apply)
 - ``meeting.py``    when a sync meets its group: the planned meeting, the window past it, the waits around it
 - ``outer.py``      ``OuterStep``: this peer's side of the outer step (the delta it sends, the step it applies)

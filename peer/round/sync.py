@@ -35,8 +35,9 @@ from peer.outer.state import GlobalState
 from peer.round.announce import Announcer
 from peer.round.catchup import StateCatchUp
 from peer.round.cross import Crossing
-from peer.round.decide import Action, Do, Outcome, Phase, View, classify, decide, describe, why_alone
+from peer.round.decide import Action, Do, Phase, View, classify, decide
 from peer.round.meeting import Meeting
+from peer.round.outcomes import Outcome, describe, why_alone
 from peer.round.outer import OuterStep
 from peer.swarm.clock import Clock
 from peer.swarm.consensus import SYNCING, catching_up, peers_ahead, responsive
@@ -61,8 +62,8 @@ class SyncResult:
     attempts: int = 0
     aligned: bool = False
     rebased: bool = False
-    outcome: Optional[Outcome] = None  # why the sync ended as it did (``decide.Outcome``)
-    error: Optional[str] = None  # the outcome in a line (``decide.describe``); None when applied
+    outcome: Optional[Outcome] = None  # why the sync ended as it did (``outcomes.Outcome``)
+    error: Optional[str] = None  # the outcome in a line (``outcomes.describe``); None when applied
     next_round_seconds: Optional[float] = None  # the group's agreed length of the next inner phase
     stretch: float = 1.0  # that length over the planned one: above 1 when syncs outlast rounds (overlap)
     averaging_seconds: Optional[float] = None  # the group's attempt that applied, from its start: what overlap times
