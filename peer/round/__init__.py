@@ -13,6 +13,7 @@
 - ``inflight.py``   a round's sync in flight, here or in the background (overlap)
 - ``metrics.py``    a round's metrics record
 - ``build.py``      every part of a node, built from its configs with its collaborators passed in
+- ``manifest.py``   which run a node joins: its checkpoint's or its flags' manifest against the swarm's
 - ``node.py``       ``Peer``: the round loop, reports, leaving
 - ``checkpoints.py`` when a node checkpoints, its snapshot, and whether it is copied or written in place
 - ``stopping.py``   Ctrl+C and SIGTERM: leave after the step; a watch thread leaves for a training thread stuck in C

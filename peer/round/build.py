@@ -24,14 +24,12 @@ from diloco_compression import Codec, get_codec
 from diloco_compression.feedback import ErrorFeedback, roundtrip
 
 from dht.addresses import parse_maddrs
-from dht.errors import UserError
 from dht.joining import reachable
-from dht.manifest import RunManifest, join_or_create, listed_name, publish_manifest, run_namespace
+from dht.manifest import RunManifest, run_namespace
 from dht.node import DHTConfig, dht_ready, discard_made_up_identity, signing_identity, start_dht
 from dht.processes import stop_process
 from dht.reach import Reach
 from dht.validation import run_validators
-from peer import config_file
 from peer.averaging.averager import SwarmAverager
 from peer.config import NodeConfig, RunConfig, SyncConfig
 from peer.hooks import Hooks
@@ -46,6 +44,7 @@ from peer.outer.lineage import Lineage
 from peer.outer.state import GlobalState
 from peer.round.announce import Announcer, Identity
 from peer.round.catchup import StateCatchUp
+from peer.round.manifest import propose_manifest, resolve_manifest
 from peer.round.sync import Synchronizer
 from peer.round.transport import SwarmTransport
 from peer.swarm.clock import Clock
@@ -55,7 +54,7 @@ from peer.train.build import build_trainer
 from peer.train.flat import FlatLayout
 from peer.train.island import Island
 from peer.train.local import LocalModel
-from peer.train.source import copies_of, keep_tokenizer, localized, pinned
+from peer.train.source import keep_tokenizer, localized
 
 
 @dataclass
@@ -281,54 +280,6 @@ def _serve_dashboard(node: NodeConfig, dht, namespace: str, closer: contextlib.E
     dashboard = Dashboard(lambda: snapshot(dht, node.run_id, namespace), node.dashboard, node.dashboard_host).start()
     closer.callback(dashboard.stop)
     reporter.info(f"the swarm's dashboard: {dashboard.url}")
-
-
-def propose_manifest(namespace: str, run_flags: Dict[str, Any], node: NodeConfig,
-                     payload: Optional[CheckpointPayload]) -> RunManifest:
-    """The manifest we would start the run with: the checkpoint's, or one from the flags."""
-    if payload is None:
-        return RunManifest(namespace, pinned(RunConfig(**run_flags)).to_settings())
-    proposal = RunManifest.from_record(namespace, payload.manifest_record)
-    if proposal is None:
-        raise UserError(f"checkpoint in {node.checkpoint_dir} holds no valid signed run manifest (an "
-                        f"older format?); use another --checkpoint-dir")
-    return proposal
-
-
-def resolve_manifest(dht, namespace: str, run_flags: Dict[str, Any], node: NodeConfig, net: DHTConfig,
-                     payload: Optional[CheckpointPayload], proposal: RunManifest) -> Tuple[RunManifest, bool]:
-    """The run's manifest: the swarm's if it has one, else ours (``proposal``: from the checkpoint or the flags); and
-    whether we created the run."""
-    run_id = node.run_id
-    listed = listed_name(run_id, namespace)
-    if net.initial_peers:
-        # a checkpoint proves the run existed: its peer may bring it back when the swarm has lost it
-        manifest, created = join_or_create(dht, proposal, node.run_key, create=node.new_run or payload is not None,
-                                           name=run_id, listed=listed is not None)
-    else:
-        manifest, created = (proposal if proposal.verified() else proposal.signed()), True
-        if node.run_key is not None and manifest.creator != node.run_key.strip():
-            raise UserError("--run-key names another creator, but this peer starts the run itself (no "
-                            "--initial-peers): drop --run-key, or pass the run's --initial-peers")
-        publish_manifest(dht, manifest, listed_as=listed)
-    # flags that say where this node keeps the run's model or tokenizer are checked against the pins by
-    # ``localized``, not compared as text
-    copies = copies_of(manifest.settings, run_flags)
-    for name, value in run_flags.items():
-        if name not in copies and manifest.settings.get(name) != value:
-            filed = node.config is not None and config_file.from_file(node.config, name, value)
-            given, drop = (f"{name} = {value!r} in {node.config}", "drop it from the file") if filed else \
-                (f"--{name.replace('_', '-')} {value}", "drop the flag")
-            raise UserError(
-                f"{given} conflicts with run '{run_id}', which uses {name}={manifest.settings.get(name)}; "
-                f"{drop} to join it, or pass another --run-id to start a new run"
-            )
-    if payload is not None and payload.manifest_hash != manifest.hash:
-        raise UserError(
-            f"checkpoint in {node.checkpoint_dir} belongs to another configuration of run '{run_id}' "
-            f"(manifest {payload.manifest_hash}, the swarm's is {manifest.hash}); use another --checkpoint-dir"
-        )
-    return manifest, created
 
 
 def restore(payload: CheckpointPayload, state: GlobalState, trainer, layout: FlatLayout) -> Tuple[Progress, int]:
