@@ -43,12 +43,14 @@ from dht.records import PeerRecord
 from peer.round.outcomes import Outcome
 from peer.swarm.consensus import (
     MAX_MISSED,
+    holds_state,
     joining,
     minority,
     peers_ahead,
     peers_behind,
     peers_with_state,
     producers_behind,
+    responsive,
     syncing_now,
     voters,
 )
@@ -347,3 +349,14 @@ def settle_longer(extended: bool, unreachable: bool, attempts: int, retries: int
     then lost its link): spend our next attempt's time trying again, once, if the sync has an attempt and time
     left. Averaging again without it forks the run until fork choice joins the two states."""
     return not extended and unreachable and attempts <= retries and time_left > 0
+
+
+def why_alone(view: View, dht_lag: float) -> str:
+    """A lone step may fork the run: the log says what the peer saw (``dht_lag``: how late the DHT delivers)."""
+    at_ours = [r for r in view.records if holds_state(r, view.mine)]
+    silent = sum(not responsive(r, view.now) for r in at_ours)
+    return (f"stepping alone at epoch {view.mine.epoch} after {view.phase.value}, {view.lonely} round(s) without "
+            f"applying or meeting a peer at our state: {len(view.records)} other record(s) known, "
+            f"{len(at_ours)} at our state ({silent} silent)"
+            + ("; our last read of the records timed out" if view.lookup_failed else "")
+            + (f"; the DHT delivers records {dht_lag:.0f} s late" if dht_lag else ""))

@@ -1,16 +1,11 @@
 """How a sync ended, and what it says: the ``Outcome`` that the metrics call ``outcome``, and ``describe``'s line of
-text that they call ``error``; ``why_alone``, the line a peer logs before it steps alone.
+text that they call ``error``.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, Optional
-
-from peer.swarm.consensus import holds_state, responsive
-
-if TYPE_CHECKING:
-    from peer.round.decide import View
+from typing import Optional
 
 
 class Outcome(enum.Enum):
@@ -63,14 +58,3 @@ def describe(outcome: Optional[Outcome], detail: str = "", count: int = 0) -> Op
     if outcome is None or outcome is Outcome.APPLIED:
         return None
     return _TEXT[outcome].format(detail=detail, count=count)
-
-
-def why_alone(view: View, dht_lag: float) -> str:
-    """A lone step may fork the run: the log says what the peer saw (``dht_lag``: how late the DHT delivers)."""
-    at_ours = [r for r in view.records if holds_state(r, view.mine)]
-    silent = sum(not responsive(r, view.now) for r in at_ours)
-    return (f"stepping alone at epoch {view.mine.epoch} after {view.phase.value}, {view.lonely} round(s) without "
-            f"applying or meeting a peer at our state: {len(view.records)} other record(s) known, "
-            f"{len(at_ours)} at our state ({silent} silent)"
-            + ("; our last read of the records timed out" if view.lookup_failed else "")
-            + (f"; the DHT delivers records {dht_lag:.0f} s late" if dht_lag else ""))

@@ -35,9 +35,9 @@ from peer.outer.state import GlobalState
 from peer.round.announce import Announcer
 from peer.round.catchup import StateCatchUp
 from peer.round.cross import Crossing
-from peer.round.decide import Action, Do, Phase, View, classify, decide
+from peer.round.decide import Action, Do, Phase, View, classify, decide, why_alone
 from peer.round.meeting import Meeting
-from peer.round.outcomes import Outcome, describe, why_alone
+from peer.round.outcomes import Outcome, describe
 from peer.round.outer import OuterStep
 from peer.swarm.clock import Clock
 from peer.swarm.consensus import SYNCING, catching_up, peers_ahead, responsive
