@@ -21,6 +21,9 @@ from peer.presets import PRESETS, run_defaults
 # the default outer warm-up: this over the square root of H, in outer steps (fitted to the sweeps' best lengths of those
 # tried: 32 at H = 10, 16 at 50, 8 at 100; docs/design.md, the outer step)
 OUTER_WARMUP_SCALE = 100.0
+# the smallest H at which Nesterov's outer step was measured ahead of plain averaging: at H = 5 and 2 it was behind
+# (+9.2% and +22% from data-parallel against +4.9% and +2.4%; bench/results/convergence-warmup-h10.md, last section)
+NESTEROV_MIN_H = 10
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,16 @@ class RunConfig:
             return self.outer_warmup
         inner_steps = self.inner_steps or run_defaults(self.model).inner_steps
         return max(1, round(OUTER_WARMUP_SCALE / math.sqrt(max(inner_steps, 1))))
+
+    def outer_step_hint(self) -> Optional[str]:
+        """A line for the creator of a run whose H is below ``NESTEROV_MIN_H`` with a Nesterov outer step: there
+        plain averaging was measured ahead. None otherwise (an H set in seconds is not known here)."""
+        inner_steps = self.inner_steps or run_defaults(self.model).inner_steps
+        if self.round_seconds or inner_steps >= NESTEROV_MIN_H or not self.outer_momentum:
+            return None
+        return (f"H={inner_steps} is below {NESTEROV_MIN_H}, where the outer Nesterov step (--outer-lr "
+                f"{self.outer_lr:g}, --outer-momentum {self.outer_momentum:g}) was measured behind plain averaging; "
+                f"--outer-lr 1 --outer-momentum 0 averages plainly")
 
     def resolved(self) -> "RunConfig":
         """Fill every preset-dependent default, so the manifest pins concrete values."""

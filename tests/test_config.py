@@ -81,6 +81,18 @@ def test_the_outer_warmup_by_default_follows_h_and_the_manifest_pins_it():
     assert RunConfig.from_settings(run.to_settings()).outer_warmup == 32
 
 
+def test_a_run_with_h_below_ten_and_the_nesterov_outer_step_gets_a_hint_to_average_plainly():
+    """Below H = 10 the default outer step was measured behind plain averaging (convergence-warmup-h10.md); the
+    creator of such a run is told, with the flags that average plainly. The presets' H (50 and up) says nothing."""
+    assert RunConfig(model="micro").outer_step_hint() is None
+    assert RunConfig(model="micro", inner_steps=10).outer_step_hint() is None
+    hint = RunConfig(model="micro", inner_steps=5).outer_step_hint()
+    assert "H=5 is below 10" in hint and "--outer-lr 0.7, --outer-momentum 0.9" in hint
+    assert "--outer-lr 1 --outer-momentum 0" in hint
+    assert RunConfig(model="micro", inner_steps=5, outer_lr=1.0, outer_momentum=0.0).outer_step_hint() is None
+    assert RunConfig(model="micro", inner_steps=5, round_seconds=30.0).outer_step_hint() is None  # H in seconds
+
+
 def test_manifest_hash_is_stable_and_covers_every_setting():
     settings = RunConfig().to_settings()
     assert RunManifest("r", settings).hash == RunManifest("r", dict(settings)).hash
