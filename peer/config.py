@@ -115,10 +115,15 @@ class RunConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
     @property
+    def h(self) -> int:
+        """H: ``--inner-steps``, or the preset's."""
+        return self.inner_steps or run_defaults(self.model).inner_steps
+
+    @property
     def round_steps(self) -> int:
         """Inner steps per round: H, or H // F with fragments (each fragment is averaged every F x (H // F) steps, H
         rounded down to a multiple of F)."""
-        return (self.inner_steps or run_defaults(self.model).inner_steps) // self.fragments
+        return self.h // self.fragments
 
     @property
     def seconds_per_round(self) -> float:
@@ -166,16 +171,14 @@ class RunConfig:
         small H warms up over more outer steps, and fewer inner ones: 32 at H = 10, 14 at 50, 10 at 100, 4 at 500)."""
         if self.outer_warmup is not None:
             return self.outer_warmup
-        inner_steps = self.inner_steps or run_defaults(self.model).inner_steps
-        return max(1, round(OUTER_WARMUP_SCALE / math.sqrt(max(inner_steps, 1))))
+        return max(1, round(OUTER_WARMUP_SCALE / math.sqrt(max(self.h, 1))))
 
     def outer_step_hint(self) -> Optional[str]:
         """A line for the creator of a run whose H is below ``NESTEROV_MIN_H`` with a Nesterov outer step: there
         plain averaging was measured ahead. None otherwise (an H set in seconds is not known here)."""
-        inner_steps = self.inner_steps or run_defaults(self.model).inner_steps
-        if self.round_seconds or inner_steps >= NESTEROV_MIN_H or not self.outer_momentum:
+        if self.round_seconds or self.h >= NESTEROV_MIN_H or not self.outer_momentum:
             return None
-        return (f"H={inner_steps} is below {NESTEROV_MIN_H}, where the outer Nesterov step (--outer-lr "
+        return (f"H={self.h} is below {NESTEROV_MIN_H}, where the outer Nesterov step (--outer-lr "
                 f"{self.outer_lr:g}, --outer-momentum {self.outer_momentum:g}) was measured behind plain averaging; "
                 f"--outer-lr 1 --outer-momentum 0 averages plainly")
 
