@@ -72,7 +72,7 @@ class Cell:
     outer_momentum: float = 0.9
     outer_lr_decay: bool = False  # the outer lr follows the inner cosine
     warm: float = 0.0  # fraction of the tokens trained data-parallel before DiLoCo starts
-    outer_warmup: int = 0  # outer steps blending from plain averaging to Nesterov (the product's default: 8)
+    outer_warmup: int = 0  # outer steps blending from plain averaging to Nesterov (the product's default: 100/√H)
     fragments: int = 1  # streaming fragments: a round of H/F steps averages one of F fragments (equal bytes per H)
 
     @property

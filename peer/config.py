@@ -21,9 +21,9 @@ from peer.presets import PRESETS, run_defaults
 # the default outer warm-up: this over the square root of H, in outer steps (fitted to the sweeps' best lengths of those
 # tried: 32 at H = 10, 16 at 50, 8 at 100; docs/design.md, the outer step)
 OUTER_WARMUP_SCALE = 100.0
-# the smallest H at which Nesterov's outer step was measured ahead of plain averaging: at H = 5 and 2 it was behind
-# (+9.2% and +22% from data-parallel against +4.9% and +2.4%; bench/results/convergence-warmup-h10.md, last section)
-NESTEROV_MIN_H = 10
+# the default outer momentum: 1 - m = this x (10 / H)^2, between 0.1 and 0.5 (fitted to the sweeps' best of those
+# tried: 0.5 at H = 2 and 3, 0.6 at 5, 0.8 at 7, 0.9-0.95 at 10; bench/results/convergence-warmup-h10.md)
+OUTER_MOMENTUM_FORGET = 0.1
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,8 @@ class RunConfig:
     weight_decay: float = opt(0.1, "AdamW weight decay")
     grad_clip: float = opt(1.0, "clip the inner gradient norm to this (0 = off)")
     outer_lr: float = opt(0.7, "outer Nesterov learning rate (DiLoCo: 0.7)")
-    outer_momentum: float = opt(0.9, "outer Nesterov momentum (DiLoCo: 0.9)")
+    outer_momentum: Optional[float] = opt(None, "outer Nesterov momentum; default: DiLoCo's 0.9 from H = 10 up, less "
+                                                "below (1 - 10 / H^2, at least 0.5: 0.6 at H = 5)")
     outer_lr_decay: bool = opt(False, "decay the outer lr along the inner lr's cosine, to --outer-lr x --min-lr-ratio")
     outer_warmup: Optional[int] = opt(None, "outer steps over which the outer step blends linearly from plain "
                                             "averaging (lr 1, momentum 0) to Nesterov at --outer-lr and "
@@ -105,7 +106,7 @@ class RunConfig:
             raise ValueError("group_size must be 0 (one group of all) or at least 2, got 1")
         if not 0 < self.outer_lr <= 10:
             raise ValueError(f"outer_lr must be in (0, 10], got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
+        if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if not 0 < self.eval_fraction < 0.5:
             raise ValueError(f"eval_fraction must be in (0, 0.5), got {self.eval_fraction}")
@@ -155,8 +156,17 @@ class RunConfig:
         return lr if blend >= 1 else 1.0 + blend * (lr - 1.0)
 
     def outer_momentum_at(self, global_step: int) -> float:
-        """The outer momentum of that step: ``outer_momentum``, ramped up from 0 over ``outer_warmup`` steps."""
-        return self.outer_momentum * self._outer_blend(global_step)
+        """The outer momentum of that step: ``outer_momentum_steady()``, ramped up from 0 over ``outer_warmup``
+        steps."""
+        return self.outer_momentum_steady() * self._outer_blend(global_step)
+
+    def outer_momentum_steady(self) -> float:
+        """``--outer-momentum``, or its default for this H: 1 - ``OUTER_MOMENTUM_FORGET`` x (10 / H)^2, between 0.5
+        and 0.9, to two decimals (a small H's pseudo-gradients are small and many, and a long memory of them
+        overshoots: 0.9 from H = 10 up, 0.8 at 7, 0.6 at 5, 0.5 below 5)."""
+        if self.outer_momentum is not None:
+            return self.outer_momentum
+        return round(min(0.9, max(0.5, 1 - OUTER_MOMENTUM_FORGET * (10 / max(self.h, 1)) ** 2)), 2)
 
     def _outer_blend(self, global_step: int) -> float:
         """0 at the first outer step, 1 from step ``outer_warmup`` on (IEEE division of small integers: the same
@@ -173,15 +183,6 @@ class RunConfig:
             return self.outer_warmup
         return max(1, round(OUTER_WARMUP_SCALE / math.sqrt(max(self.h, 1))))
 
-    def outer_step_hint(self) -> Optional[str]:
-        """A line for the creator of a run whose H is below ``NESTEROV_MIN_H`` with a Nesterov outer step: there
-        plain averaging was measured ahead. None otherwise (an H set in seconds is not known here)."""
-        if self.round_seconds or self.h >= NESTEROV_MIN_H or not self.outer_momentum:
-            return None
-        return (f"H={self.h} is below {NESTEROV_MIN_H}, where the outer Nesterov step (--outer-lr "
-                f"{self.outer_lr:g}, --outer-momentum {self.outer_momentum:g}) was measured behind plain averaging; "
-                f"--outer-lr 1 --outer-momentum 0 averages plainly")
-
     def resolved(self) -> "RunConfig":
         """Fill every preset-dependent default, so the manifest pins concrete values."""
         preset = run_defaults(self.model)
@@ -190,7 +191,8 @@ class RunConfig:
             inner_steps=preset.inner_steps, lr=preset.lr, warmup_steps=preset.warmup_steps,
         )
         resolved = dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
-        return dataclasses.replace(resolved, outer_warmup=resolved.outer_warmup_steps())
+        return dataclasses.replace(resolved, outer_warmup=resolved.outer_warmup_steps(),
+                                   outer_momentum=resolved.outer_momentum_steady())
 
     def to_settings(self) -> Dict[str, Any]:
         return dataclasses.asdict(self.resolved())

@@ -73,14 +73,12 @@ def test_unreachable_initial_peers():
 @pytest.mark.slow
 def test_a_joiner_naming_a_run_nobody_trains_or_a_conflicting_model_is_refused(tmp_path):
     """A typo in --run-id never starts a run of its own: without --new-run, a name the swarm does not know is one
-    line naming the runs it does. The creator (given --new-run) said it created the run, and, at the test swarm's
-    H of 5, that its outer step was measured behind plain averaging there."""
+    line naming the runs it does. The creator (given --new-run) said it created the run."""
     swarm = Swarm(tmp_path)
     try:
         creator = swarm.peer("creator")
         creator.wait_rounds(1, timeout=180)
         assert "created run 'diloco'" in creator.stderr
-        assert "warning: H=5 is below 10" in creator.stderr  # the swarm's H; the hint to average plainly
         joiner = ("--initial-peers", swarm.maddr, "--host-maddrs", "/ip4/127.0.0.1/tcp/0")
         result = run_cli(*peer_command(*joiner, "--model", "small"))
         assert_one_line_error(result, "--model small conflicts with run 'diloco'", "model=micro", "drop the flag")

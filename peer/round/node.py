@@ -302,9 +302,6 @@ def say_who_we_are(parts: Parts, run_id: str, reporter) -> None:
     reach = f"reach: {parts.reach.value}"  # what the peers asked at start found (dht/reach.py)
     if parts.created:
         reporter.info(f"created run '{run_id}': no peer of the swarm trained it before | {reach}")
-        hint = run.outer_step_hint()
-        if hint:
-            reporter.info(f"warning: {hint}")
     else:
         records = parts.cache.records or parts.catchup.refresh()  # the catch-up's read may have come too early
         others = [r for r in active(records.values(), parts.manifest.hash) if responsive(r, parts.catchup.judged_at())]
