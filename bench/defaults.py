@@ -95,13 +95,14 @@ def _data_parallel(run: RunConfig, args, steps: int, seed: int):
 def report(rows: List[dict], args, argv: List[str]) -> str:
     params = count_parameters(build_model(args.model, 256, args.seq_len, 0))
     today = next(r for r in rows if r["name"] == "today")
+    outer = RunConfig(inner_steps=args.inner_steps)
     lines = [
         f"Command: `python -m bench.defaults {' '.join(argv)}`", "",
         f"Model `{args.model}` ({params:,} parameters), M={args.replicas} replicas, H={args.inner_steps}, "
         f"{args.batch_size} x {args.seq_len} tokens a step, {args.tokens / 1e6:.2f}M tokens in all, inner lr "
         f"{args.lr:g} with {args.warmup_steps} warm-up steps and a cosine to 10% over the run; the outer schedule is "
-        f"RunConfig's (warm-up over {RunConfig(inner_steps=args.inner_steps).outer_warmup_steps()} outer steps, "
-        f"Nesterov lr 0.7, momentum 0.9). Held-out "
+        f"RunConfig's (warm-up over {outer.outer_warmup_steps()} outer steps, Nesterov lr {outer.outer_lr:g}, "
+        f"momentum {outer.outer_momentum_steady():g}). Held-out "
         f"eval: {args.eval_batches} batches. Seeds {', '.join(map(str, args.seeds))} for today and new, "
         f"{'and for the others' if args.all_seeds else 'the first for the others'}. With overlap, the average "
         f"lands this far into the next round: "
