@@ -166,7 +166,7 @@ class RunConfig:
         overshoots: 0.9 from H = 10 up, 0.8 at 7, 0.6 at 5, 0.5 below 5)."""
         if self.outer_momentum is not None:
             return self.outer_momentum
-        return round(min(0.9, max(0.5, 1 - OUTER_MOMENTUM_FORGET * (10 / max(self.h, 1)) ** 2)), 2)
+        return round(min(0.9, max(0.5, 1 - OUTER_MOMENTUM_FORGET * (10 / self.h) ** 2)), 2)
 
     def _outer_blend(self, global_step: int) -> float:
         """0 at the first outer step, 1 from step ``outer_warmup`` on (IEEE division of small integers: the same
@@ -181,7 +181,7 @@ class RunConfig:
         small H warms up over more outer steps, and fewer inner ones: 32 at H = 10, 14 at 50, 10 at 100, 4 at 500)."""
         if self.outer_warmup is not None:
             return self.outer_warmup
-        return max(1, round(OUTER_WARMUP_SCALE / math.sqrt(max(self.h, 1))))
+        return max(1, round(OUTER_WARMUP_SCALE / math.sqrt(self.h)))
 
     def resolved(self) -> "RunConfig":
         """Fill every preset-dependent default, so the manifest pins concrete values."""
