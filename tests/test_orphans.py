@@ -5,7 +5,9 @@ import gc
 import logging
 
 import pytest
+from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 from hivemind.utils.asyncio import asingle
+from hivemind.utils.multiaddr import Multiaddr
 
 from peer.ops.orphans import (
     CONNECTED_CALLBACK,
@@ -88,3 +90,46 @@ def test_without_the_filter_asyncio_reports_the_hivemind_task(caplog):
         orphan_and_collect(lambda: asingle(stalled()))
     errors = asyncio_errors(caplog)
     assert len(errors) == 1 and errors[0].startswith(DESTROYED_PENDING) and "/hivemind/" in errors[0]
+
+
+def hang_up_on_the_p2p_handler(socket_path: str, send: bytes = b"") -> None:
+    """Connect to hivemind's real p2p client handler on a unix socket, as the daemon does for an incoming stream,
+    send ``send`` and hang up: what the daemon does when the stream was reset on its way to us (a healed partition)."""
+    async def run() -> None:
+        loop, failed = asyncio.get_running_loop(), asyncio.Event()
+
+        def report(loop, context) -> None:  # asyncio's own report (the logger's filters apply), and a signal
+            loop.default_exception_handler(context)
+            failed.set()
+
+        loop.set_exception_handler(report)
+        client = ControlClient(daemon_connector=None, listen_maddr=Multiaddr(f"/unix{socket_path}"),
+                               _initialized_with_create=True)
+        async with client.listen():
+            _, writer = await asyncio.open_unix_connection(socket_path)
+            writer.write(send)
+            await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+            await asyncio.wait_for(failed.wait(), 10)
+
+    asyncio.run(run())
+
+
+def test_the_daemon_hanging_up_on_the_p2p_handler_is_kept_quiet_and_a_cut_header_is_not(quiet, tmp_path, caplog):
+    with caplog.at_level(logging.DEBUG):
+        hang_up_on_the_p2p_handler(str(tmp_path / "silent.sock"))
+        assert asyncio_errors(caplog) == []
+
+        hang_up_on_the_p2p_handler(str(tmp_path / "cut.sock"), send=b"\x05ab")  # half a header: not a bare hang-up
+    errors = asyncio_errors(caplog)
+    assert len(errors) == 1 and errors[0].startswith(CONNECTED_CALLBACK)
+
+
+def test_without_the_filter_asyncio_reports_the_daemon_hanging_up(tmp_path, caplog):
+    """The condition the filter names is real: the handler fails, and asyncio logs it with its traceback."""
+    with caplog.at_level(logging.DEBUG):
+        hang_up_on_the_p2p_handler(str(tmp_path / "silent.sock"))
+    records = [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
+    assert len(records) == 1 and records[0].getMessage().startswith(CONNECTED_CALLBACK)
+    assert isinstance(records[0].exc_info[1], asyncio.IncompleteReadError)
