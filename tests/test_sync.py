@@ -15,6 +15,7 @@ import torch
 
 from peer.config import RunConfig
 from peer.outer.nesterov import nesterov_step
+from peer.outer.state import state_hash
 from peer.round.inflight import sync_round
 from peer.round.outcomes import Outcome
 from peer.round.schedule import RoundClock
@@ -616,6 +617,39 @@ def test_a_peer_does_not_step_past_a_better_state_it_cannot_download():
     result = peer.sync()
     assert result.outcome is Outcome.PEERS_AHEAD and peer.hash() == before
     assert peer.transport.downloads == [(("x",), "ffff")]
+
+
+def foreign_state(peer, epoch: int, tokens: int, holders, seed: int) -> str:
+    """A state of another lineage (a fork's other half), served by ``holders``; returns its hash."""
+    params = torch.randn(peer.state.params.numel(), generator=torch.Generator().manual_seed(seed))
+    momentum = torch.zeros_like(params)
+    digest = state_hash(params, momentum, epoch)
+    peer.transport.served[digest] = (dict(epoch=epoch, tokens_total=tokens, merged={}, hash=digest),
+                                     [params, momentum])
+    for name in holders:
+        peer.transport.peers[name] = record(name, epoch, digest, tokens)
+    return digest
+
+
+def test_a_peer_whose_holders_step_past_the_state_it_asks_for_downloads_where_they_went():
+    """The other half of a healed split steps on while we ask for its state: each holder answers that it no longer
+    holds it. A fresh look finds their new state, and we adopt that, in the same catch-up."""
+    peer = FakePeer()
+    peer.train()
+    old = foreign_state(peer, 5, 5_000, ["a", "b"], seed=1)
+    real_download = peer.transport.download
+    moved = {}
+
+    def download(donors, state_hash, timeout, part_timeout, relayed=False):
+        if not moved:  # they step on as we ask: the old state is no longer served
+            del peer.transport.served[old]
+            moved["to"] = foreign_state(peer, 6, 6_000, ["a", "b"], seed=2)
+        return real_download(donors, state_hash, timeout, part_timeout)
+
+    peer.transport.download = download
+    found = peer.catchup.catch_up(timeout=30.0)
+    assert found.adopted and peer.hash() == moved["to"] and peer.state.epoch == 6
+    assert [wanted for _, wanted in peer.transport.downloads] == [old, moved["to"]]
 
 
 def test_peers_behind_us_are_waited_for():

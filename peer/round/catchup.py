@@ -93,10 +93,30 @@ class StateCatchUp:
     def catch_up(self, timeout: float, attempted_epoch: Optional[int] = None, poll: bool = False) -> CatchUp:
         """Adopt the swarm's best state if it beats ours. ``attempted_epoch``: we just sent our delta in an
         all-reduce at this epoch that failed for us; if the adopted state merged it there, ``merged_ours``.
-        ``poll``: judge by the records a lookup has brought so far (``refresh``)."""
-        best = choose_state(self.refresh(poll).values(), self.announcer.record())
-        if best is None:
-            return CatchUp()
+        ``poll``: judge by the records a lookup has brought so far (``refresh``).
+
+        If no holder served it, they may have moved on while we asked (each answers that it no longer holds that
+        state): a fresh look finds where they went, and we try that state, within ``timeout``. Giving up there
+        cost a round: right after a 2|2 split healed, the losing half asked for the winners' state as they stepped
+        past it, trained on its own, and missed the winners' next group (``tests/test_faults.py``)."""
+        until = self.clock.monotonic() + timeout
+        records, tried, found = self.refresh(poll), set(), CatchUp()
+        while True:
+            best = choose_state(records.values(), self.announcer.record())
+            if best is None or best.state_hash in tried:
+                break
+            tried.add(best.state_hash)
+            found = self._reach(best, max(until - self.clock.monotonic(), 1.0), attempted_epoch)
+            if not found.unreachable or self.clock.monotonic() >= until:
+                break
+            logger.info(f"no holder served epoch {best.epoch} ({best.state_hash[:8]}); looking where they went")
+            records = self.refresh()
+        if found.unreachable:
+            logger.warning("could not download the swarm's state from any holder; training on ours for now")
+        return found
+
+    def _reach(self, best: PeerRecord, timeout: float, attempted_epoch: Optional[int]) -> CatchUp:
+        """Reach ``best``: replay the rounds to it, or download it from its holders; rebase onto it."""
         holders = [r for r in self.cache.records.values() if r.state_hash == best.state_hash and not r.client_mode]
         direct = [r for r in holders if r.reach != Reach.RELAYED.value]  # a relay carries little, and slowly
         donors = [r.peer_id for r in direct or holders]
@@ -110,7 +130,6 @@ class StateCatchUp:
             downloaded = self.transport.download(donors, best.state_hash, timeout=timeout,
                                                  part_timeout=self.deadlines.part(), relayed=not direct)
             if downloaded is None:
-                logger.warning("could not download the swarm's state from any holder; training on ours for now")
                 return CatchUp(unreachable=True)
             used, metadata, tensors = downloaded
             kind = self.adopt(metadata, tensors, attempted_epoch)
