@@ -66,3 +66,27 @@ def test_a_refusal_is_not_a_cut():
     got, attempts = run(["a", "b"], 6, lambda donor, piece, attempt: donor == "a",
                         ValueError("the donor no longer holds that state"))
     assert {donor for donor, _ in got.values()} == {"b"} and attempts["a"] == 1
+
+
+def test_a_silent_donors_piece_is_asked_of_another_and_the_silent_fetch_is_cancelled():
+    """The end game: a donor that never answers (frozen; or its connection still in TCP's backoff after a heal)
+    holds one piece; once every other piece is in, an idle donor asks for that one too, and the download ends
+    without waiting out the part timeout."""
+    cancelled = []
+
+    async def fetch(donor, piece):
+        if donor == "silent":
+            try:
+                await asyncio.get_running_loop().create_future()  # never answers
+            except asyncio.CancelledError:
+                cancelled.append(piece)
+                raise
+        await asyncio.sleep(0)
+        return f"{donor}:{piece}"
+
+    async def download():
+        return await asyncio.wait_for(stripe(["silent", "a"], 4, fetch, "test download", stalled=0.01), 30)
+
+    got = asyncio.run(download())
+    assert sorted(got) == list(range(4)) and {donor for donor, _ in got.values()} == {"a"}
+    assert cancelled == [0]  # the silent donor's piece, taken from "a", and its fetch cancelled
