@@ -95,10 +95,14 @@ async def stripe(donors: Sequence[str], count: int, fetch: Callable[[str, int], 
     workers = [asyncio.ensure_future(worker(donor)) for donor in donors]
     finished = asyncio.ensure_future(complete.wait())
     try:  # until every piece is in (a stalled fetch is cancelled then), or every donor is done or dropped
-        await asyncio.wait([finished, asyncio.gather(*workers)], return_when=asyncio.FIRST_COMPLETED)
+        running = set(workers)
+        while running and not finished.done():
+            _, running = await asyncio.wait({*running, finished}, return_when=asyncio.FIRST_COMPLETED)
+            running.discard(finished)
     finally:
         for task in (*workers, finished):
             task.cancel()
+        await asyncio.gather(*workers, finished, return_exceptions=True)  # each one's end, retrieved
     return got
 
 
