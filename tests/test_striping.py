@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 
+import pytest
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
 from peer.averaging.striping import StreamCut, stripe
@@ -95,3 +96,23 @@ def test_a_silent_donors_piece_is_asked_of_another_and_the_silent_fetch_is_cance
     assert sorted(got) == list(range(4)) and {donor for donor, _ in got.values()} == {"a"}
     assert cancelled == [0]  # the silent donor's piece, taken from "a", and its fetch cancelled
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR] == []
+
+
+def test_a_silent_piece_is_asked_of_one_more_donor_not_of_every_idle_one():
+    asked = []
+
+    async def fetch(donor, piece):
+        asked.append((donor, piece))
+        if donor == "silent" or piece == 0:  # piece 0 stalls at whichever donor it is asked of
+            await asyncio.get_running_loop().create_future()
+        await asyncio.sleep(0)
+        return f"{donor}:{piece}"
+
+    async def download():
+        return await asyncio.wait_for(stripe(["silent", "b", "c", "a"], 4, fetch, "test download", stalled=0.01), 0.5)
+
+    with pytest.raises(asyncio.TimeoutError):  # piece 0 never comes
+        asyncio.run(download())
+    # the silent donor, and one of the three idle ones: not all three
+    assert [donor for donor, piece in asked if piece == 0][0] == "silent"
+    assert sum(piece == 0 for _, piece in asked) == 2

@@ -47,6 +47,8 @@ async def stripe(donors: Sequence[str], count: int, fetch: Callable[[str, int], 
             return pending.popleft(), 0.0
         now, soonest = loop.time(), math.inf
         for piece, since in sorted(asked.items(), key=lambda item: item[1]):
+            if asking[piece] > 1:  # asked of a second donor already
+                continue
             ready = since + max(stalled, took)
             if ready <= now:
                 logger.debug(f"{what}: piece {piece} in flight for {now - since:.1f}s; asking another donor too")
