@@ -8,10 +8,11 @@ the donors they went to held the state. Dropped for it, both donors of a 4-peer 
 which trained on its own state for another round (``tests/test_faults.py``, the split that heals).
 
 Once every piece is asked for, a donor left idle asks too for a piece that has been in flight longer than its own
-last piece took, and at least ``STALLED`` seconds (the end game): the first answer wins and the other fetch is
-cancelled. A donor that went silent (frozen, or on a connection still in TCP's retransmission backoff after a heal)
-thus costs a download about a piece's time, not the part timeout it takes to drop it (15 s by default; in one
-healed split, two downloads waited out a silent donor's 3 s each, and the half that asked missed the next group)."""
+last piece took, and at least ``STALLED`` seconds (the end game; one more donor a piece): the first answer wins and
+the other fetch is cancelled. A donor that went silent (frozen, or on a connection still in TCP's retransmission
+backoff after a heal) thus costs a download about a piece's time, not the part timeout it takes to drop it (15 s by
+default; in one healed split, two downloads waited out a silent donor's 3 s each, and the half that asked missed the
+next group)."""
 
 from __future__ import annotations
 
