@@ -9,6 +9,7 @@ import logging
 import pytest
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
 
+from peer.averaging.results import PENDING, READY, check_slice
 from peer.averaging.striping import StreamCut, stripe
 
 
@@ -116,3 +117,22 @@ def test_a_silent_piece_is_asked_of_one_more_donor_not_of_every_idle_one():
     # the silent donor, and one of the three idle ones: not all three
     assert [donor for donor, piece in asked if piece == 0][0] == "silent"
     assert sum(piece == 0 for _, piece in asked) == 2
+
+
+def test_a_result_slice_cut_after_its_ready_status_is_tried_again_and_a_result_no_longer_served_is_not():
+    """A round's result (``peer/averaging/results.py``): a stream that ends after the donor said the result is ready,
+    before its parts, was cut, and the donor gets one more try; a donor whose status says it no longer serves the
+    result is dropped. A lone survivor, the only donor of a replay, was once dropped for the first."""
+    answers = {("lone", 1): ({"status": READY}, 0), ("lone", 2): ({"status": READY}, 2),
+               ("gone", 1): ({"status": PENDING}, 0)}
+    attempts = {}
+
+    async def fetch(donor, piece):
+        attempts[donor] = attempts.get(donor, 0) + 1
+        info, parts = answers[(donor, attempts[donor])]
+        check_slice(donor, info, parts, 2)
+        return parts
+
+    for donors in (["lone"], ["gone"]):
+        got = asyncio.run(stripe(donors, 1, fetch, "result download"))
+        assert (got == {0: ("lone", 2)}) if donors == ["lone"] else (got == {} and attempts["gone"] == 1)

@@ -63,6 +63,17 @@ def decode_parts(compression: CodecCompression, parts: Sequence[runtime_pb2.Tens
     return torch.cat(values)
 
 
+def check_slice(donor: str, info: Dict[str, Any], got: int, expected: int) -> None:
+    """A slice of a result's parts came whole, or why not: the donor no longer serves the result (its status says
+    so: a refusal), or the stream ended after a ready status and before its parts (a cut, ``striping.StreamCut``,
+    tried again on a fresh stream). Both once read "sent 0 parts" and dropped the donor: a peer replaying a lone
+    survivor's steps lost its only donor, and downloaded the whole state instead."""
+    if info.get("status") != READY:
+        raise ValueError(f"{donor} no longer serves that result ({info.get('status')})")
+    if got != expected:
+        raise StreamCut(f"the stream from {donor} ended after {got} of {expected} parts")
+
+
 def _encoded_bytes(results) -> int:
     return sum(len(part.buffer) for served in results for part in served.parts)
 
@@ -203,9 +214,8 @@ class RoundResults:
 
         async def fetch(donor: str, index: int):
             start = starts[index]
-            _, got = await self._ask(donor, key, start, min(start + PARTS_PER_SLICE, count), part_timeout)
-            if len(got) != min(PARTS_PER_SLICE, count - start):
-                raise ValueError(f"{donor} sent {len(got)} parts")
+            info, got = await self._ask(donor, key, start, min(start + PARTS_PER_SLICE, count), part_timeout)
+            check_slice(donor, info, len(got), min(PARTS_PER_SLICE, count - start))
             return got
 
         got = await stripe(delegates, len(starts), fetch, "result download")
