@@ -7,9 +7,15 @@ import gc
 import logging
 
 import pytest
+import torch
+from hivemind.compression import serialize_torch_tensor
 from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import split_for_streaming
 
 from peer.averaging.results import PENDING, READY, check_slice
+from peer.averaging.sharing import StateSharing
 from peer.averaging.striping import StreamCut, stripe
 
 
@@ -136,3 +142,36 @@ def test_a_result_slice_cut_after_its_ready_status_is_tried_again_and_a_result_n
     for donors in (["lone"], ["gone"]):
         got = asyncio.run(stripe(donors, 1, fetch, "result download"))
         assert (got == {0: ("lone", 2)}) if donors == ["lone"] else (got == {} and attempts["gone"] == 1)
+
+
+def test_a_state_slice_cut_after_the_donors_answer_is_a_cut_and_a_refusal_is_not():
+    """The state download's twin (``peer/averaging/sharing.py``): a stream that ends after the donor's first part
+    said it holds the state was cut (tried again on a fresh stream); a donor that says it lacks the state refused."""
+    values = torch.arange(40_000, dtype=torch.float32)  # 160 kB: three parts of 64 kB
+    parts = list(split_for_streaming(serialize_torch_tensor(values)))
+    header = MSGPackSerializer.dumps(dict(hash="h", epoch=3))
+
+    class Stub:
+        def __init__(self, messages):
+            self.messages = messages
+
+        async def rpc_download_slice(self, request):
+            async def stream():
+                for message in self.messages:
+                    yield message
+            return stream()
+
+    whole = [averaging_pb2.DownloadData(tensor_part=part, metadata=header if i == 0 else b"")
+             for i, part in enumerate(parts)]
+    refusal = [averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(hash=None)))]
+    sharing = StateSharing()
+    sharing.serializer = MSGPackSerializer
+
+    def fetch(messages):
+        return asyncio.run(sharing._fetch_slice(Stub(messages), "h", 0, values.numel(), part_timeout=5.0))
+
+    assert torch.equal(fetch(whole)[1], values)
+    with pytest.raises(StreamCut):
+        fetch(whole[:1])
+    with pytest.raises(ValueError, match="no longer holds"):
+        fetch(refusal)

@@ -176,7 +176,10 @@ class StateSharing:
             raise StreamCut("the stream ended before the donor answered")
         if not isinstance(metadata, dict) or metadata.get("hash") != state_hash or not parts:
             raise ValueError("the donor no longer holds that state")
-        values = deserialize_torch_tensor(combine_from_streaming(parts))
+        serialized = combine_from_streaming(parts)
+        if len(serialized.buffer) < 4 * (end - start):  # it said it holds the state, then the stream ended: a cut
+            raise StreamCut(f"the stream ended after {len(serialized.buffer)} of the slice's {4 * (end - start)} bytes")
+        values = deserialize_torch_tensor(serialized)
         if values.dtype != torch.float32 or values.shape != (end - start,):
             raise ValueError(f"the donor sent {values.dtype} of shape {tuple(values.shape)} for a slice of "
                              f"{end - start} floats")
