@@ -3,6 +3,8 @@
 import asyncio
 import gc
 import logging
+import os
+import tempfile
 
 import pytest
 from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
@@ -92,10 +94,12 @@ def test_without_the_filter_asyncio_reports_the_hivemind_task(caplog):
     assert len(errors) == 1 and errors[0].startswith(DESTROYED_PENDING) and "/hivemind/" in errors[0]
 
 
-def hang_up_on_the_p2p_handler(socket_path: str, send: bytes = b"") -> None:
+def hang_up_on_the_p2p_handler(send: bytes = b"") -> None:
     """Connect to hivemind's real p2p client handler on a unix socket, as the daemon does for an incoming stream,
-    send ``send`` and hang up: what the daemon does when the stream was reset on its way to us (a healed partition)."""
-    async def run() -> None:
+    send ``send`` and hang up: what the daemon does when the stream was reset on its way to us (a healed partition).
+    The socket lives in a short temporary directory: a unix socket's path holds at most 104-108 bytes, and pytest's
+    own directories exceed that on macOS."""
+    async def run(socket_path: str) -> None:
         loop, failed = asyncio.get_running_loop(), asyncio.Event()
 
         def report(loop, context) -> None:  # asyncio's own report (the logger's filters apply), and a signal
@@ -113,23 +117,24 @@ def hang_up_on_the_p2p_handler(socket_path: str, send: bytes = b"") -> None:
             await writer.wait_closed()
             await asyncio.wait_for(failed.wait(), 10)
 
-    asyncio.run(run())
+    with tempfile.TemporaryDirectory() as directory:
+        asyncio.run(run(os.path.join(directory, "p2p.sock")))
 
 
-def test_the_daemon_hanging_up_on_the_p2p_handler_is_kept_quiet_and_a_cut_header_is_not(quiet, tmp_path, caplog):
+def test_the_daemon_hanging_up_on_the_p2p_handler_is_kept_quiet_and_a_cut_header_is_not(quiet, caplog):
     with caplog.at_level(logging.DEBUG):
-        hang_up_on_the_p2p_handler(str(tmp_path / "silent.sock"))
+        hang_up_on_the_p2p_handler()
         assert asyncio_errors(caplog) == []
 
-        hang_up_on_the_p2p_handler(str(tmp_path / "cut.sock"), send=b"\x05ab")  # half a header: not a bare hang-up
+        hang_up_on_the_p2p_handler(send=b"\x05ab")  # half a header: not a bare hang-up
     errors = asyncio_errors(caplog)
     assert len(errors) == 1 and errors[0].startswith(CONNECTED_CALLBACK)
 
 
-def test_without_the_filter_asyncio_reports_the_daemon_hanging_up(tmp_path, caplog):
+def test_without_the_filter_asyncio_reports_the_daemon_hanging_up(caplog):
     """The condition the filter names is real: the handler fails, and asyncio logs it with its traceback."""
     with caplog.at_level(logging.DEBUG):
-        hang_up_on_the_p2p_handler(str(tmp_path / "silent.sock"))
+        hang_up_on_the_p2p_handler()
     records = [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
     assert len(records) == 1 and records[0].getMessage().startswith(CONNECTED_CALLBACK)
     assert isinstance(records[0].exc_info[1], asyncio.IncompleteReadError)
