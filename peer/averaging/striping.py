@@ -30,6 +30,65 @@ logger = logging.getLogger(__name__)
 STALLED = 1.0  # seconds a piece may be in flight before an idle donor asks for it too (the end game)
 
 
+class _Pieces:
+    """A striped download's bookkeeping: the pieces nobody asked for yet, those in flight (when first asked, by how
+    many donors), and those in."""
+
+    def __init__(self, count: int, stalled: float, what: str):
+        self.count, self.stalled, self.what = count, stalled, what
+        self.loop = asyncio.get_running_loop()
+        self.pending, self.got = deque(range(count)), {}
+        self.asked: Dict[int, float] = {}  # piece -> when it was first asked for, while in flight and not yet in
+        self.asking: Dict[int, int] = {}  # piece -> its fetches in flight
+        self.changed, self.complete = asyncio.Event(), asyncio.Event()
+
+    def missing(self) -> bool:
+        return len(self.got) < self.count
+
+    def next(self, took: float) -> Tuple[Optional[int], float]:
+        """The piece a donor whose last piece took ``took`` seconds asks for now (and counts as in flight), or None
+        and the seconds until a piece in flight is stalled by its measure."""
+        piece, soonest = (self.pending.popleft(), 0.0) if self.pending else self._stalled(took)
+        if piece is not None:
+            self.asked.setdefault(piece, self.loop.time())
+            self.asking[piece] = self.asking.get(piece, 0) + 1
+        return piece, soonest
+
+    def _stalled(self, took: float) -> Tuple[Optional[int], float]:
+        now, soonest = self.loop.time(), math.inf
+        for piece, since in sorted(self.asked.items(), key=lambda item: item[1]):
+            if self.asking[piece] > 1:  # asked of a second donor already
+                continue
+            ready = since + max(self.stalled, took)
+            if ready <= now:
+                logger.debug(f"{self.what}: piece {piece} in flight for {now - since:.1f}s; asking another donor too")
+                return piece, 0.0
+            soonest = min(soonest, ready - now)
+        return None, soonest
+
+    async def wait(self, seconds: float) -> None:
+        """Until the pieces change, or ``seconds`` pass (a piece in flight stalls)."""
+        self.changed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), None if math.isinf(seconds) else seconds)
+
+    def failed(self, piece: int) -> None:
+        self.asking[piece] -= 1
+        if piece not in self.got and not self.asking[piece]:  # nobody else is asking for it: back in the queue
+            del self.asked[piece]
+            self.pending.appendleft(piece)
+        self.changed.set()
+
+    def came(self, piece: int, donor: str, value: Any) -> None:
+        self.asking[piece] -= 1
+        if piece not in self.got:  # the first answer wins
+            self.got[piece] = (donor, value)
+            self.asked.pop(piece, None)
+            if not self.missing():
+                self.complete.set()
+        self.changed.set()
+
+
 async def stripe(donors: Sequence[str], count: int, fetch: Callable[[str, int], Awaitable[Any]], what: str,
                  stalled: float = STALLED) -> Dict[int, Tuple[str, Any]]:
     """Pieces 0..count-1 from every donor at once; returns {piece: (donor, value)}, every piece unless every donor
@@ -37,48 +96,23 @@ async def stripe(donors: Sequence[str], count: int, fetch: Callable[[str, int], 
     try first: a relay resets a relayed connection once it carried its data limit (``dht/reach.py``), and the next
     stream opens a fresh one. So does, once, a donor whose stream was cut before it answered (``cut``). A piece in
     flight for ``stalled`` seconds is asked for again by an idle donor (the module's end game)."""
-    loop = asyncio.get_running_loop()
-    pending, got, changed, complete = deque(range(count)), {}, asyncio.Event(), asyncio.Event()
-    asked: Dict[int, float] = {}  # piece -> when it was first asked for, while in flight and not yet got
-    asking: Dict[int, int] = {}  # piece -> its fetches in flight
-
-    def next_piece(took: float) -> Tuple[Optional[int], float]:
-        """The piece to ask for now, or None and the seconds until a piece in flight is stalled by our measure."""
-        if pending:
-            return pending.popleft(), 0.0
-        now, soonest = loop.time(), math.inf
-        for piece, since in sorted(asked.items(), key=lambda item: item[1]):
-            if asking[piece] > 1:  # asked of a second donor already
-                continue
-            ready = since + max(stalled, took)
-            if ready <= now:
-                logger.debug(f"{what}: piece {piece} in flight for {now - since:.1f}s; asking another donor too")
-                return piece, 0.0
-            soonest = min(soonest, ready - now)
-        return None, soonest
+    pieces = _Pieces(count, stalled, what)
+    loop = pieces.loop
 
     async def worker(donor: str) -> None:
         delivered = False  # since its last failure
         forgiven = False  # a cut stream, tried again once
         took = 0.0  # seconds its last piece took
-        while len(got) < count:
-            piece, wait = next_piece(took)
+        while pieces.missing():
+            piece, wait = pieces.next(took)
             if piece is None:
-                changed.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(changed.wait(), None if math.isinf(wait) else wait)
+                await pieces.wait(wait)
                 continue
-            asked.setdefault(piece, loop.time())
-            asking[piece] = asking.get(piece, 0) + 1
             began = loop.time()
             try:
                 value = await fetch(donor, piece)
             except Exception as e:
-                asking[piece] -= 1
-                if piece not in got and not asking[piece]:  # nobody else is asking for it: back in the queue
-                    del asked[piece]
-                    pending.appendleft(piece)
-                changed.set()
+                pieces.failed(piece)
                 if delivered or cut(e) and not forgiven:
                     forgiven = forgiven or not delivered
                     delivered = False
@@ -86,17 +120,11 @@ async def stripe(donors: Sequence[str], count: int, fetch: Callable[[str, int], 
                     continue
                 logger.info(f"{what} from {donor} failed ({e!r}); taking its share from the others")
                 return
-            asking[piece] -= 1
             took, delivered = loop.time() - began, True
-            if piece not in got:
-                got[piece] = (donor, value)
-                asked.pop(piece, None)
-                if len(got) == count:
-                    complete.set()
-            changed.set()
+            pieces.came(piece, donor, value)
 
     workers = [asyncio.ensure_future(worker(donor)) for donor in donors]
-    finished = asyncio.ensure_future(complete.wait())
+    finished = asyncio.ensure_future(pieces.complete.wait())
     try:  # until every piece is in (a stalled fetch is cancelled then), or every donor is done or dropped
         running = set(workers)
         while running and not finished.done():
@@ -106,7 +134,7 @@ async def stripe(donors: Sequence[str], count: int, fetch: Callable[[str, int], 
         for task in (*workers, finished):
             task.cancel()
         await asyncio.gather(*workers, finished, return_exceptions=True)  # each one's end, retrieved
-    return got
+    return pieces.got
 
 
 class StreamCut(ConnectionError):
