@@ -3,7 +3,7 @@
     python -m bench.frozen_holder --repeats 3 --out bench/results/frozen_holder.md
 
 Two peers train on loopback (tests' fast settings: micro model, H = 5) with ``--quorum 2``, so that neither steps on
-alone once the other is frozen, until both hold epoch 10: past what a joiner replays (``REPLAY_ROUNDS``), so it
+alone once the other is frozen, until both hold epoch 10 (``REPLAY_ROUNDS`` + 2): past what a joiner replays, so it
 downloads the state. Then, in the ``frozen`` arm, one of them is SIGSTOPped (its record still says it holds the
 state), and a joiner starts from nothing and downloads the state from both. The ``live`` arm freezes nobody. The
 part timeout is the product's default (15 s). Reported: the download's seconds, from the joiner's "downloading the
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import shlex
 import signal
 import statistics
@@ -24,10 +23,11 @@ import tempfile
 from pathlib import Path
 from typing import List
 
-from tests.harness.swarm import Swarm, wait_until
+from peer.round.catchup import REPLAY_ROUNDS
+from tests.harness.swarm import Swarm, signal_group, wait_until
 
 FLAGS = ("--quorum", "2", "--part-timeout", "15", "--allreduce-timeout", "60")
-EPOCH = 10  # past REPLAY_ROUNDS (8): the joiner downloads the state instead of replaying the rounds
+EPOCH = REPLAY_ROUNDS + 2  # past what a joiner replays: it downloads the state instead
 
 
 def seconds(stderr: str, marker: str) -> datetime.datetime:
@@ -38,21 +38,17 @@ def seconds(stderr: str, marker: str) -> datetime.datetime:
 def download(frozen: bool, root: Path) -> dict:
     root.mkdir(parents=True)
     swarm = Swarm(root)
-    holders = []
     try:
         holders = [swarm.peer(f"h{i}", *FLAGS) for i in range(2)]
         wait_until(lambda: all(any(r["epoch"] >= EPOCH for r in h.metrics) for h in holders), 300, f"epoch {EPOCH}")
         if frozen:
-            os.killpg(holders[1].popen.pid, signal.SIGSTOP)
+            signal_group(holders[1], signal.SIGSTOP)
         joiner = swarm.peer("joiner", *FLAGS)
         wait_until(lambda: "adopted epoch" in joiner.stderr or "could not download" in joiner.stderr, 180,
                    "the joiner's download")
         stderr = joiner.stderr
     finally:
-        for holder in holders:
-            if holder.alive():
-                os.killpg(holder.popen.pid, signal.SIGCONT)
-        swarm.close()
+        swarm.close()  # SIGKILLs every process group, a stopped one too
     if "downloading the state" not in stderr or "downloaded from" not in stderr:
         raise SystemExit(f"the joiner did not download the state:\n{stderr[-2000:]}")
     took = (seconds(stderr, "adopted epoch") - seconds(stderr, "downloading the state")).total_seconds()
@@ -63,7 +59,7 @@ def download(frozen: bool, root: Path) -> dict:
 def report(rows: List[dict], argv: List[str]) -> str:
     lines = ["# A frozen holder and a joiner's state download", "",
              f"    python -m bench.frozen_holder {shlex.join(argv)}", "",
-             "Two holders at epoch 10 (micro, loopback, `--quorum 2`, part timeout 15 s); in `frozen`, one is "
+             f"Two holders at epoch {EPOCH} (micro, loopback, `--quorum 2`, part timeout 15 s); in `frozen`, one is "
              "SIGSTOPped before the joiner starts. Seconds from the joiner's \"downloading the state\" line to its "
              "\"adopted\" line (whole seconds).", "",
              "| arm | downloads | seconds (each) | mean | donors used |", "|---|---|---|---|---|"]
