@@ -1,9 +1,21 @@
 """Catching up by replaying the rounds missed (peer/round/catchup.py): a peer a few rounds behind takes each round's
 result from a peer that holds it and steps itself, instead of downloading the whole state; in-process."""
 
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from types import SimpleNamespace
+
 import pytest
 import torch
+from diloco_compression import get_codec
+from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
 
+from peer.averaging.inuse import InUse
+from peer.averaging.parts import CodecCompression
+from peer.averaging.results import LONE_PART_VALUES, READY, RoundResults, decode_parts, result_key
 from peer.config import RunConfig
 from peer.outer.fragments import Fragments
 from peer.outer.nesterov import nesterov_step
@@ -83,9 +95,17 @@ def test_a_peer_that_stepped_alone_serves_its_step_and_a_peer_behind_replays_it(
     alone.silence("b")
     alone.train()
     start = (alone.state.epoch, alone.hash())
+    publish, served_by_then = alone.transport.publish, {}
+
+    def publish_noting_what_is_served(rec, ttl):
+        served_by_then[rec.epoch] = set(alone.transport.alone)
+        publish(rec, ttl)
+
+    alone.transport.publish = publish_noting_what_is_served
     result = alone.sync(tokens=100)
     assert result.applied and result.group == ("a",)
     assert list(alone.transport.alone) == [start]
+    assert served_by_then[start[0] + 1] == {start}  # served before our record said we stepped: no replayer misses it
     behind.transport.results.update(alone.transport.alone)
     behind.transport.peers["a"] = record("a", alone.state.epoch, alone.hash(), alone.state.tokens_total)
     found = behind.catchup.catch_up(timeout=10.0)
@@ -103,11 +123,7 @@ def test_a_lone_steps_quantized_delta_survives_its_encoding_as_a_result_bit_for_
     the wire codec in LONE_PART_VALUES parts; a replay decodes those parts. Each codec gives back the values it
     decoded, so the replayed step is the lone peer's to the bit (and the replay's hash check would say if not);
     int8 does not, and says so."""
-    from diloco_compression import get_codec
     from diloco_compression.feedback import ErrorFeedback
-
-    from peer.averaging.parts import CodecCompression
-    from peer.averaging.results import LONE_PART_VALUES, decode_parts
 
     codec = get_codec(name)
     numel = LONE_PART_VALUES + 3 * 16384 + 100  # a last part shorter than the rest, ending mid-block
@@ -118,3 +134,48 @@ def test_a_lone_steps_quantized_delta_survives_its_encoding_as_a_result_bit_for_
     parts = [compression.compress(chunk, None) for chunk in buffer.split(LONE_PART_VALUES)]
     # int8's dynamic map is not exact near zero: it says so, and a lone peer on it serves nothing
     assert torch.equal(decode_parts(compression, parts, numel), buffer) == codec.reencodes_exactly
+
+
+def test_a_replayer_that_asks_while_a_lone_step_is_encoded_waits_for_its_parts():
+    """A lone peer's averager takes its step's result in hand, then encodes it, and the peer republishes its record
+    in between (above). A replayer that read that record and asks before the parts are encoded waits for them; it
+    once heard "pending" and downloaded the whole state instead. In-process: the real server, the encoding held."""
+    buffer = torch.randn(LONE_PART_VALUES + 1000, generator=torch.Generator().manual_seed(0))
+    held = threading.Event()
+
+    class Lone(RoundResults):
+        serializer, codec = MSGPackSerializer, get_codec("none")
+        peer_id = SimpleNamespace(to_base58=lambda: "lone")
+
+        def __init__(self):
+            self._in_use = InUse()
+
+        @contextlib.contextmanager
+        def get_tensors(self):
+            held.wait(timeout=30)  # the encoding (in the averager's executor) waits for the test
+            yield [buffer]
+
+    async def scenario():
+        lone, taken, key = Lone(), concurrent.futures.Future(), result_key(6, "cafe")
+        encoding = asyncio.ensure_future(lone._serve_alone(key, {"lone": {"epoch": 6}}, taken))
+        await asyncio.sleep(0)  # one turn of the loop: the coroutine runs up to the encoding
+        assert taken.done()  # in hand: the lone peer may republish now
+        request = averaging_pb2.DownloadData(metadata=MSGPackSerializer.dumps(dict(key=key, start=0, end=2)))
+        stream = lone.rpc_download_average(request, SimpleNamespace(remote_id=SimpleNamespace(
+            to_base58=lambda: "replayer")))
+        first = asyncio.ensure_future(stream.__anext__())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not first.done()  # the asker waits, rather than hearing "pending"
+        held.set()
+        info = MSGPackSerializer.loads((await first).metadata)
+        parts = [message.tensor_part async for message in stream]
+        await encoding
+        return info, parts
+
+    try:
+        info, parts = asyncio.run(scenario())
+    finally:
+        held.set()
+    assert info["status"] == READY and info["parts"] == 2 and info["gathered"] == {"lone": {"epoch": 6}}
+    assert torch.equal(decode_parts(CodecCompression(get_codec("none")), parts, buffer.numel()), buffer)

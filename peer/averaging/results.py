@@ -17,6 +17,7 @@ of G and m) and takes the outer step itself, bit for bit as the members did.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ KEPT_STATE_COPIES = 1  # as many encoded bytes as this many fp32 copies of G (fp
 POLL_SECONDS = 0.25  # how often a groupmate asks again while the result is pending
 PARTS_PER_SLICE = 8  # parts a groupmate asks a delegate for at once
 LONE_PART_VALUES = 1 << 18  # a lone step's result, in parts of this many values: a multiple of every codec's block
+TAKEN_SECONDS = 5.0  # the longest a lone step's publication waits for the averager to take its result in hand
 
 
 def result_key(epoch: int, state_hash: str) -> str:
@@ -83,6 +85,7 @@ class Served:
     status: str = PENDING
     parts: List[runtime_pb2.Tensor] = field(default_factory=list)  # encoded averaged parts, in order
     info: Dict[str, Any] = field(default_factory=dict)  # gathered (wire), aligned, delegates
+    encoding: Optional[asyncio.Event] = None  # a lone step's parts, being encoded: a request waits until it is set
 
 
 class RoundResults:
@@ -121,20 +124,35 @@ class RoundResults:
         the round's result, encoded as a round's parts are, to the peers that replay it. A codec's re-encode of its
         own decoded values gives them back (each block keeps its largest value), in parts that start on a block's
         boundary; the replay checks the end state's hash all the same. The averager process encodes it, holding the
-        buffers, so that our next round's contribution waits for it rather than overwriting it."""
-        if self.codec.reencodes_exactly:  # else a replay of it would fail its hash check: serve nothing
-            internals.call_in_averager(self, "_serve_alone", key=result_key(epoch, state_hash), gathered=gathered)
+        buffers, so that our next round's contribution waits for it rather than overwriting it. Returns once the
+        averager took the result in hand: from then on a request for it waits for its parts (a replayer that read
+        our new record before they were encoded once found the round pending, and downloaded the whole state)."""
+        if not self.codec.reencodes_exactly:  # a replay of it would fail its hash check: serve nothing
+            return
+        taken = MPFuture()
+        internals.call_in_averager(self, "_serve_alone", key=result_key(epoch, state_hash), gathered=gathered,
+                                   taken=taken)
+        try:
+            taken.result(timeout=TAKEN_SECONDS)
+        except concurrent.futures.TimeoutError:  # a busy averager: it still serves the step, once it gets to it
+            logger.debug(f"the averager took {TAKEN_SECONDS}s and more to take our lone step's result in hand")
 
-    async def _serve_alone(self, key: str, gathered: Dict[str, Any]) -> None:
+    async def _serve_alone(self, key: str, gathered: Dict[str, Any], taken: MPFuture) -> None:
         compression = CodecCompression(self.codec)
+        served = self._result(key)
+        served.encoding = asyncio.Event()
+        taken.set_result(None)
 
         def encode() -> List[runtime_pb2.Tensor]:
             with self.get_tensors() as tensors:
                 return [compression.compress(chunk, None) for chunk in tensors[0].split(LONE_PART_VALUES)]
 
-        parts = await asyncio.get_event_loop().run_in_executor(None, encode)  # the averager serves on meanwhile
-        self._conclude(key, READY, parts, info=dict(gathered=gathered, aligned=False, groups=1,
-                                                     delegates=[self.peer_id.to_base58()]))
+        try:
+            parts = await asyncio.get_event_loop().run_in_executor(None, encode)  # the averager serves on meanwhile
+            self._conclude(key, READY, parts, info=dict(gathered=gathered, aligned=False, groups=1,
+                                                         delegates=[self.peer_id.to_base58()]))
+        finally:
+            served.encoding.set()
 
     def conclude_group(self, epoch: int, state_hash: str, info: Dict[str, Any]) -> None:
         """Main process: as a majority group's delegate that met no other group's, we apply our group's average
@@ -154,6 +172,8 @@ class RoundResults:
         except Exception:
             return
         served = self._served.get(key) if hasattr(self, "_served") else None
+        if served is not None and served.encoding is not None:
+            await served.encoding.wait()  # (the asker's part timeout bounds it)
         status = served.status if served is not None else PENDING
         info = dict(served.info, parts=len(served.parts)) if status in (READY, GROUP_ONLY) else {}
         with self._in_use.streaming([_context.remote_id.to_base58()]):

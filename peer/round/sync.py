@@ -177,6 +177,7 @@ class Synchronizer:
                     attempt.averaged = attempt.group
                 self._apply(attempt.averaged, result)
                 if result.applied:  # the attempt that applied, from its start (or the planned meeting, if later)
+                    self.announcer.republish()  # at once: a groupmate whose attempt failed late looks for it (settle)
                     result.averaging_seconds = self.clock.monotonic() - max(attempt.started, attempt.meets)
                     result.allreduce_seconds = attempt.averaged.seconds
                 break
@@ -311,13 +312,17 @@ class Synchronizer:
         alone = Contribution(epoch=mine.epoch, hash=mine.state_hash, tokens=tokens, step_seconds=self.step_seconds)
         averaged = Averaged(gathered={mine.peer_id: alone}, aligned=False, seconds=0.0)
         self._apply(averaged, result)
-        if result.applied and any(peer != mine.peer_id for peer in self.cache.records):
+        if not result.applied:
+            return
+        if any(peer != mine.peer_id for peer in self.cache.records):
             # a swarm's peer behind us (a restart, one that was syncing) replays our step rather than downloading
-            # the state: our quantized delta, in the buffers still, is the round's result (none needed alone)
+            # the state: our quantized delta, in the buffers still, is the round's result (none needed alone). Served
+            # before our record says we stepped: a replayer that reads it finds the result, or waits for its encoding
             self.transport.serve_alone(mine.epoch, mine.state_hash, averaged)
+        self.announcer.republish()
 
     def _apply(self, averaged: Averaged, result: SyncResult) -> None:
-        """The outer step on the averaged pseudo-gradient, bit-identical on every member."""
+        """The outer step on the averaged pseudo-gradient, bit-identical on every member; the caller republishes."""
         if not self.outer.take(averaged.gathered, self.announcer.identity.peer_id, averaged.aligned,
                                averaged.group_tokens()):
             result.outcome = Outcome.AVERAGE_NOT_FINITE
@@ -331,7 +336,6 @@ class Synchronizer:
         result.next_round_seconds, result.stretch = next_round(averaged.gathered, self.run.seconds_per_round,
                                                                self.run.round_steps)
         result.round_end = round_end(averaged.gathered)
-        self.announcer.republish()  # at once: a groupmate whose attempt failed late looks for this state (settle)
 
     # ---- for the node ----
     def producers(self) -> List[str]:
