@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -177,7 +178,7 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
             await_ready=False,
             **(_relayed(initial_peers) if config.relayed else {}),
         )
-    except (P2PDaemonError, TimeoutError) as e:
+    except (P2PDaemonError, TimeoutError, concurrent.futures.TimeoutError) as e:
         raise _startup_error(e, config) from None
     return dht_ready(dht, config) if await_ready else dht
 
@@ -189,7 +190,7 @@ def dht_ready(dht: SwarmDHT, config: DHTConfig) -> SwarmDHT:
         if not config.client_mode:
             serve_dial_back(dht)  # others may ask whether they can be dialled (dht/reach.py)
         return dht
-    except (P2PDaemonError, TimeoutError, ValidationError) as e:
+    except (P2PDaemonError, TimeoutError, concurrent.futures.TimeoutError, ValidationError) as e:
         raise _startup_error(e, config) from None
 
 

@@ -1,6 +1,7 @@
 """asyncio's records of hivemind's tasks collected pending stay off a user's terminal; every other one shows."""
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -14,6 +15,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from peer.ops.orphans import (
     CONNECTED_CALLBACK,
     DESTROYED_PENDING,
+    NEVER_RETRIEVED,
     REUSED_COROUTINE,
     OrphanedTaskNoise,
     quiet_orphaned_tasks,
@@ -115,7 +117,12 @@ def hang_up_on_the_p2p_handler(send: bytes = b"") -> None:
             await writer.drain()
             writer.close()
             await writer.wait_closed()
-            await asyncio.wait_for(failed.wait(), 10)
+            deadline = loop.time() + 10
+            while not failed.is_set():  # Python 3.10 reports a handler's error only once it collects the handler's task
+                assert loop.time() < deadline, "asyncio reported nothing within 10 s"
+                gc.collect()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(failed.wait(), 0.05)
 
     with tempfile.TemporaryDirectory() as directory:
         asyncio.run(run(os.path.join(directory, "p2p.sock")))
@@ -128,7 +135,7 @@ def test_the_daemon_hanging_up_on_the_p2p_handler_is_kept_quiet_and_a_cut_header
 
         hang_up_on_the_p2p_handler(send=b"\x05ab")  # half a header: not a bare hang-up
     errors = asyncio_errors(caplog)
-    assert len(errors) == 1 and errors[0].startswith(CONNECTED_CALLBACK)
+    assert len(errors) == 1 and errors[0].startswith((CONNECTED_CALLBACK, NEVER_RETRIEVED))  # (the latter: 3.10)
 
 
 def test_without_the_filter_asyncio_reports_the_daemon_hanging_up(caplog):
@@ -136,5 +143,5 @@ def test_without_the_filter_asyncio_reports_the_daemon_hanging_up(caplog):
     with caplog.at_level(logging.DEBUG):
         hang_up_on_the_p2p_handler()
     records = [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
-    assert len(records) == 1 and records[0].getMessage().startswith(CONNECTED_CALLBACK)
+    assert len(records) == 1 and records[0].getMessage().startswith((CONNECTED_CALLBACK, NEVER_RETRIEVED))
     assert isinstance(records[0].exc_info[1], asyncio.IncompleteReadError)

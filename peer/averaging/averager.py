@@ -303,7 +303,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
             raise
 
     def _failure(self, error: Exception, runner: Optional[ExactAllReduceRunner]) -> GroupLostMember:
-        if isinstance(error, TimeoutError):
+        if isinstance(error, (TimeoutError, asyncio.TimeoutError)):  # (two types before Python 3.11)
             message = f"the all-reduce did not finish within {self.exact_timeout:.1f}s"
         else:
             message = str(error) if isinstance(error, GroupLostMember) else f"all-reduce failed: {error!r}"

@@ -194,7 +194,7 @@ class RoundResults:
                                    future=future)
         try:
             return future.result(timeout=timeout + 10)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # (not TimeoutError before Python 3.11)
             future.cancel()
             return dict(status=FAILED, error="the averager process did not answer")
 

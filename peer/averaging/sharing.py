@@ -12,6 +12,7 @@ SNAPSHOT_IDLE seconds. The downloader checks the state's hash (``peer/round/sync
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -117,7 +118,7 @@ class StateSharing:
                                    part_timeout=part_timeout, relayed=relayed, future=future)
         try:
             return future.result(timeout=timeout + 10)
-        except TimeoutError:  # the averager process is overloaded or stuck: a failed download, not a crash
+        except concurrent.futures.TimeoutError:  # the averager process is overloaded or stuck: a failed download
             logger.warning(f"the averager process did not finish a state download within {timeout + 10:.0f}s")
             future.cancel()
             return None

@@ -20,6 +20,9 @@ reads nothing:
     ERROR asyncio: Unhandled exception in client_connected_cb
     asyncio.exceptions.IncompleteReadError: 0 bytes read on a total of 1 expected bytes
 
+(Python 3.10's asyncio says the handler's errors only when it collects the handler's task: "Task exception was never
+retrieved", the task named in the message.)
+
 No stream reached us, so nothing is lost; the peer that opened it sees its stream reset and retries. So a peer drops
 exactly these three records unless it runs ``--verbose``; every other asyncio error still shows.
 """
@@ -30,6 +33,7 @@ import traceback
 
 DESTROYED_PENDING = "Task was destroyed but it is pending!"
 CONNECTED_CALLBACK = "Unhandled exception in client_connected_cb"
+NEVER_RETRIEVED = "Task exception was never retrieved"  # Python 3.10: a handler's error, once its task is collected
 REUSED_COROUTINE = "cannot reuse already awaited coroutine"
 
 
@@ -41,7 +45,9 @@ class OrphanedTaskNoise(logging.Filter):
         message = record.getMessage()
         if message.startswith(DESTROYED_PENDING):
             return "/hivemind/" not in message
-        if message.startswith(CONNECTED_CALLBACK) and record.exc_info:
+        handler = message.startswith(CONNECTED_CALLBACK) or (
+            message.startswith(NEVER_RETRIEVED) and "ControlClient._handler()" in message)
+        if handler and record.exc_info:
             error = record.exc_info[1]
             if isinstance(error, RuntimeError) and REUSED_COROUTINE in str(error):
                 return False

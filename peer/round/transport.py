@@ -8,6 +8,7 @@ in-process fake (``tests/harness/fake.py``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -206,7 +207,7 @@ class SwarmTransport:
         while True:
             try:
                 return control.result(timeout=max(min(ABANDON_POLL, deadline - time.monotonic()), 0.0))
-            except TimeoutError:
+            except concurrent.futures.TimeoutError:  # (not TimeoutError before Python 3.11: its poll)
                 if time.monotonic() >= deadline:
                     control.cancel()
                     raise TimeoutError("the sync deadline passed") from None
