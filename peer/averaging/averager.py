@@ -49,6 +49,11 @@ from peer.swarm.failures import GroupLostMember, MaybeApplied, MinorityGroup, No
 from peer.swarm.grouping import admit
 from peer.swarm.metadata import Averaged, Contribution, Delegation, Gathered
 
+try:
+    from asyncio import timeout as time_limit
+except ImportError:  # Python 3.10
+    from async_timeout import timeout as time_limit
+
 GROUP, CROSS = "group", "cross"  # a round's phases that average: inside a group, and across groups' delegates
 
 logger = logging.getLogger(__name__)
@@ -236,7 +241,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         )
         started, runner = asyncio.get_event_loop().time(), None
         try:
-            async with asyncio.timeout(self.exact_timeout):
+            async with time_limit(self.exact_timeout):
                 async with enter_asynchronously(self.get_tensors()) as local_tensors:
                     local_tensors = local_tensors[:count]
                     runner = self.runner_type(
