@@ -991,3 +991,30 @@ def test_a_look_between_inner_steps_does_not_wait_and_an_unanswered_poll_is_no_f
     peer.transport.late = True  # the lookup has not answered
     assert catchup.refresh(poll=True) == known and not peer.synchronizer.cache.lookup_failed
     assert catchup.refresh() == known and peer.synchronizer.cache.lookup_failed  # a read that waited and timed out
+
+
+def test_the_real_transport_polls_a_running_all_reduce_until_it_ends(monkeypatch):
+    """``SwarmTransport.average`` waits for hivemind's step in polls, asking between them whether to give up. A poll
+    that times out raises concurrent.futures' TimeoutError, which before Python 3.11 is not the builtin one: there
+    the first poll raised out of the sync, after a second, and every longer matchmaking failed."""
+    import concurrent.futures
+
+    from peer.round import transport as real
+
+    class Control(concurrent.futures.Future):  # hivemind's StepControl, as the poll sees it
+        began_allreduce = False
+
+    control, polls = Control(), []
+
+    def abandon() -> bool:
+        polls.append(len(polls))
+        if len(polls) == 2:
+            control.set_result("averaged")
+        return False
+
+    monkeypatch.setattr(real, "ABANDON_POLL", 0.01)
+    transport = object.__new__(real.SwarmTransport)
+    transport.averager = SimpleNamespace(step=lambda **_: control, matchmaking_kwargs=dict(request_timeout=1.0))
+    transport.meet_at, transport.grace, transport.phase = None, 1.0, real.GROUP
+    word = SimpleNamespace(to_wire=lambda: {})
+    assert transport.average(word, 1.0, timeout=30.0, abandon=abandon) == "averaged" and len(polls) == 2
