@@ -5,6 +5,7 @@ averaging attempt returns or raises) and asserts what a sync must leave behind: 
 hash, what was sent and how often, and the lineage bookkeeping. Milliseconds each.
 """
 
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -16,6 +17,7 @@ import torch
 from peer.config import RunConfig
 from peer.outer.nesterov import nesterov_step
 from peer.outer.state import state_hash
+from peer.round import transport as real
 from peer.round.inflight import sync_round
 from peer.round.outcomes import Outcome
 from peer.round.schedule import RoundClock
@@ -997,10 +999,6 @@ def test_the_real_transport_polls_a_running_all_reduce_until_it_ends(monkeypatch
     """``SwarmTransport.average`` waits for hivemind's step in polls, asking between them whether to give up. A poll
     that times out raises concurrent.futures' TimeoutError, which before Python 3.11 is not the builtin one: there
     the first poll raised out of the sync, after a second, and every longer matchmaking failed."""
-    import concurrent.futures
-
-    from peer.round import transport as real
-
     class Control(concurrent.futures.Future):  # hivemind's StepControl, as the poll sees it
         began_allreduce = False
 
