@@ -33,9 +33,9 @@ from diloco_compression import Codec
 from hivemind.averaging.allreduce import AveragingMode, GroupID
 from hivemind.p2p import P2P, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+from hivemind.utils.asyncio import aiter_with_timeout, attach_event_on_finished
 
-from peer.averaging.parts import CodecCompression, ExactPartContainer, part_bytes
+from peer.averaging.parts import CodecCompression, ExactPartContainer, decode_in_order, part_bytes
 from peer.averaging.reducing import ReducerRunner, resume_marker
 from peer.hooks import SEND, Hooks
 from peer.swarm.failures import GroupLostMember
@@ -142,12 +142,12 @@ class ExactAllReduceRunner(ReducerRunner):
         container = self.tensor_part_container
         done_sending = asyncio.Event()
         inputs = attach_event_on_finished(self._generate_input_for_peer(peer_index, start), done_sending)
-        shapes = iter([part.shape for part, _ in container._input_parts_by_peer[peer_index]][start:])
+        shapes = [part.shape for part, _ in container._input_parts_by_peer[peer_index]][start:]
 
-        def decode(message: averaging_pb2.AveragingData) -> Tuple[torch.Tensor, runtime_pb2.Tensor]:
+        def decode(message: averaging_pb2.AveragingData,
+                   shape: Optional[torch.Size]) -> Tuple[torch.Tensor, runtime_pb2.Tensor]:
             if message.code != averaging_pb2.AVERAGED_PART:
                 raise GroupLostMember(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-            shape = next(shapes, None)
             if shape is None:
                 raise GroupLostMember(f"{peer_id} sent more averaged parts than it reduces")
             try:
@@ -160,8 +160,8 @@ class ExactAllReduceRunner(ReducerRunner):
                                             self.reducer_timeout)  # a dial to a peer gone silent does not return
             if self.should_delay_results(self.peer_id):
                 await done_sending.wait()
-            async for decoded in amap_in_executor(
-                decode, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=container.prefetch
+            async for decoded in decode_in_order(
+                decode, aiter_with_timeout(stream, self.reducer_timeout), shapes, max_prefetch=container.prefetch
             ):
                 yield decoded
         except (GroupLostMember, asyncio.TimeoutError):  # the reducer's own doing, or its silence: no resume

@@ -5,19 +5,21 @@ with averages instead of deltas, and a failed member failing the whole reduction
 - ``CodecCompression``: our pure-tensor codecs behind hivemind's compression interface;
 - ``ExactPartContainer``: a member's parts out and its averaged parts in; a failed reducer fails every output;
 - ``ExactPartReducer``, ``RobustPartReducer``: a reducer's sums over **all** senders, combined robustly
-  (``peer/averaging/robust.py``), idempotent per sender and part so that a resumed stream may send a part again.
+  (``peer/averaging/robust.py``), idempotent per sender and part so that a resumed stream may send a part again;
+- ``decode_in_order``: a stream of parts decoded in threads, each against the shape its place in the stream gives.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Callable, Dict, Optional, Set, Tuple
+from typing import AsyncIterable, AsyncIterator, Callable, Dict, Iterable, Optional, Set, Tuple, TypeVar
 
 import torch
 from diloco_compression import Codec
 from hivemind.averaging.partition import TensorPartContainer, TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.proto import runtime_pb2
+from hivemind.utils.asyncio import amap_in_executor
 
 from peer.averaging.robust import Offence, robust_mean
 from peer.swarm.failures import GroupLostMember
@@ -41,6 +43,29 @@ def part_bytes(values: int, reducers: int, codec: Codec) -> int:
     while size > PART_BYTES[0] and share < PARTS_PER_SHARE * size:
         size //= 2
     return size
+
+
+M = TypeVar("M")
+R = TypeVar("R")
+
+
+async def decode_in_order(decode: Callable[[M, Optional[torch.Size]], R], stream: AsyncIterable[M],
+                          shapes: Iterable[torch.Size], max_prefetch: int = 1) -> AsyncIterator[R]:
+    """``decode(message, shape)`` for each message of ``stream`` in the event loop's executor, where ``shape`` is the
+    one its place in the stream gives it (None past the last shape); results in the stream's order.
+
+    The shape is taken here, in the event loop, in the order messages come. The decodes run side by side in threads
+    (``amap_in_executor`` starts the next while the last is awaited), and a shape taken inside one went to whichever
+    thread ran first: on Python 3.13 the last part often ran first, got the first part's shape, and the member
+    called a correct reducer's part malformed and failed the round."""
+    shapes = iter(shapes)
+
+    async def placed() -> AsyncIterator[Tuple[M, Optional[torch.Size]]]:
+        async for message in stream:
+            yield message, next(shapes, None)
+
+    async for result in amap_in_executor(lambda pair: decode(*pair), placed(), max_prefetch=max_prefetch):
+        yield result
 
 
 class CodecCompression(CompressionBase):

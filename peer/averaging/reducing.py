@@ -19,9 +19,9 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode, GroupID
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.asyncio import achain, aiter_with_timeout, amap_in_executor, as_aiter
+from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter
 
-from peer.averaging.parts import CodecCompression, RobustPartReducer
+from peer.averaging.parts import CodecCompression, RobustPartReducer, decode_in_order
 from peer.averaging.robust import Offence
 from peer.hooks import REDUCE, Hooks
 from peer.swarm.failures import GroupLostMember
@@ -168,11 +168,10 @@ class ReducerRunner(AllReduceRunner):
         """Reduce one sender's parts from ``start`` on; reply with the shared encoding of each averaged part."""
         reducer = self.tensor_part_reducer
         part_index = start
-        shapes = iter(reducer.part_shapes[start:])
 
-        def decode(message: averaging_pb2.AveragingData) -> Tuple[Optional[torch.Tensor], float, Optional[str]]:
-            """(part, weight, None), or (None, weight, what is wrong with it); called in the order parts come."""
-            shape = next(shapes, None)
+        def decode(message: averaging_pb2.AveragingData,
+                   shape: Optional[torch.Size]) -> Tuple[Optional[torch.Tensor], float, Optional[str]]:
+            """(part, weight, None), or (None, weight, what is wrong with it)."""
             if shape is None:
                 raise GroupLostMember(f"sender #{sender_index} sent more than the {reducer.num_parts} parts expected")
             if not 0 <= message.weight < float("inf"):  # 0: a member with no work this round (robust_mean)
@@ -182,7 +181,7 @@ class ReducerRunner(AllReduceRunner):
             except ValueError as e:
                 return None, message.weight, str(e)
 
-        async for part, weight, malformed in amap_in_executor(decode, stream, max_prefetch=1):
+        async for part, weight, malformed in decode_in_order(decode, stream, reducer.part_shapes[start:]):
             if part_index == 0:
                 self._fire(REDUCE)  # a fault plan may strike this peer while it is reducing
             if malformed is not None:  # dropped like a non-finite part; the others' average goes on
