@@ -1,7 +1,8 @@
 """Every reach into hivemind's private parts, in one place, for the one hivemind release they were written against.
 
 hivemind 1.1.12 has no public way to do what a serverless, exact and measured round needs: dial a peer and
-learn at once whether it is gone, drop a stale connection, sign DHT records with a peer's own identity key,
+learn at once whether it is gone, drop a stale connection, keep the daemon client alive past a late reply, sign
+DHT records with a peer's own identity key,
 count the bytes its p2p streams carry, re-key and resize matchmaking for each round, tell when no group
 formed, and run a method in the averager's process. Each function below does one of these through hivemind's
 private attributes. A new hivemind release may move any of them, so ``check_version`` refuses one this module
@@ -21,6 +22,7 @@ from typing import Any, Awaitable, Callable, List, Optional, Sequence, Set, Tupl
 import hivemind
 from hivemind.dht.crypto import RSAPrivateKey
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 
 from dht.errors import UserError
 
@@ -56,6 +58,40 @@ def add_daemon_flags(**flags: Any) -> None:
 def disconnect(p2p: P2P, peer_id: PeerID) -> Awaitable[None]:
     """Close our daemon's connection to ``peer_id``, so that the next request dials afresh."""
     return p2p._client.disconnect(peer_id)
+
+
+class _LiveCalls(dict):
+    """A daemon client's unary calls awaiting their replies, where a call already given up (its future cancelled
+    or done) counts as absent."""
+
+    def __contains__(self, call_id: object) -> bool:
+        future = self.get(call_id)
+        return future is not None and not future.done()
+
+
+def drop_late_replies() -> None:
+    """Make every p2p daemon client this process (and its forks) creates from now on drop the reply to a unary call
+    that was given up, instead of dying of it.
+
+    hivemind's client reads all replies of its unary calls (every DHT request) on one connection, in one task, and
+    sets each on its call's future if that call is pending. A call given up in the same turn of the event loop as
+    its reply is read is still pending but its future is cancelled, and setting it raises InvalidStateError,
+    which ends that task: every later DHT request of the process times out, for good, and the peer trains alone
+    (its records read as silent, nobody downloads from it). From Python 3.12 on, ``asyncio.wait_for`` cancels at
+    once when its timeout fires, so a process that stalls past a request's timeout while its daemon runs on (a
+    SIGSTOP, a long call that holds the GIL) hits this as it resumes; on 3.11 and before, only an explicit cancel
+    does. A given-up call now reads as absent, so its reply is dropped as unexpected, as hivemind does for calls it
+    no longer knows. Idempotent."""
+    init = ControlClient.__init__
+    if getattr(init, "drops_late_replies", False):
+        return
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self._pending_calls = _LiveCalls(self._pending_calls)
+
+    __init__.drops_late_replies = True
+    ControlClient.__init__ = __init__
 
 
 def rsa_key(der: bytes) -> RSAPrivateKey:

@@ -157,6 +157,7 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
     ``await_ready=False``: return once its process is forked, while its p2p daemon starts and reaches the initial
     peers (a peer builds its model meanwhile); ``dht_ready`` then waits for it, and says what failed."""
     internals.check_version()
+    internals.drop_late_replies()
     validators = list(record_validators)
     if not any(isinstance(v, RSASignatureValidator) for v in validators):
         validators.insert(0, signer())

@@ -11,10 +11,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import pytest
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import dht_pb2
 from hivemind.utils import get_dht_time
 
 from dht import internals
@@ -366,6 +368,67 @@ def test_a_request_the_dht_process_drops_reads_as_a_timeout():
         asyncio.set_event_loop(None)
     with pytest.raises(TimeoutError, match="dropped"):
         future.result(timeout=0)
+
+
+STALL = 1.0  # seconds the test's event loop is held while the other end answers: a process stopped for a moment
+
+
+def test_a_request_given_up_as_its_reply_comes_leaves_the_daemon_client_working():
+    """A DHT process that stalled past a request's timeout while its p2p daemon ran on (SIGSTOPped, or held by a
+    long call) gave the request up in the same turn of its loop that it read the reply: hivemind's client set the
+    reply on the cancelled call, and the task that reads every unary reply died of InvalidStateError. Every DHT
+    request of that process timed out from then on: on Python 3.12 the fault tests' frozen peer (freeze-5) never
+    heard from the swarm again and trained alone. A given-up call's reply is now dropped (``drop_late_replies``).
+
+    The other end answers from a thread with its own loop and daemon while this loop is held. A timer then cancels
+    the request in the turn of the loop that reads its reply, as 3.12's ``wait_for`` does (3.11's cancelled a turn
+    later), and the test asks again."""
+    internals.drop_late_replies()
+    handled, stalled, stop = threading.Event(), threading.Event(), threading.Event()
+    served = concurrent.futures.Future()
+
+    def answer():
+        async def echo(request, _context):
+            handled.set()
+            await asyncio.get_running_loop().run_in_executor(None, stalled.wait, 30)
+            return request
+
+        async def main():
+            p2p = await P2P.create(host_maddrs=[LOOPBACK])
+            await p2p.add_protobuf_handler("echo", echo, dht_pb2.PingRequest)
+            served.set_result((p2p.peer_id, await p2p.get_visible_maddrs()))
+            await asyncio.get_running_loop().run_in_executor(None, stop.wait, 60)
+            await p2p.shutdown()
+
+        asyncio.run(main())
+
+    async def ask():
+        peer_id, maddrs = await asyncio.wrap_future(served)
+        p2p = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=maddrs)
+        try:
+            def echo():
+                return p2p.call_protobuf_handler(peer_id, "echo", dht_pb2.PingRequest(validate=True),
+                                                 dht_pb2.PingRequest)
+
+            given_up = asyncio.ensure_future(echo())
+            assert await asyncio.get_running_loop().run_in_executor(None, handled.wait, 30)
+            stalled.set()  # the reply is sent while this loop is held
+            time.sleep(STALL)
+            asyncio.get_running_loop().call_later(0, given_up.cancel)  # in the turn that reads the reply
+            with pytest.raises(asyncio.CancelledError):
+                await given_up
+            return await asyncio.wait_for(echo(), 5)  # a TimeoutError here: the client's reader was dead
+        finally:
+            await p2p.shutdown()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        assert asyncio.run(ask()).validate
+    finally:
+        stalled.set()
+        stop.set()
+        thread.join(30)
 
 
 def test_a_node_checks_each_record_once_and_a_bad_one_every_time():

@@ -83,6 +83,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
                  part_size_bytes: Optional[int] = None, clip_factor: float = 0.0, ban_after: int = 0,
                  state_size: Optional[int] = None, max_upload_mbit: float = 0.0):
         internals.check_version()
+        internals.drop_late_replies()  # for the daemon client its process makes (``replicate_p2p``)
         # values in G (and in m): the buffers hold one fragment of them with --fragments (peer/outer/fragments.py)
         self.state_size = delta.numel() if state_size is None else state_size
         self.codec, self.hooks, self._state_provider = codec, hooks or Hooks(), state_provider
