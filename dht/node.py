@@ -77,11 +77,20 @@ class SwarmDHT(hivemind.DHT):
         """Run one request in the DHT's process, as hivemind does, except that a request lost there reads as a
         timeout. hivemind keeps no reference to a request's task, so one whose awaited future nobody else holds
         is garbage-collected while pending ("Task was destroyed but it is pending!", 52 times in a 16-peer run on
-        a loaded machine), and its caller got GeneratorExit: a peer starting there exited on one."""
+        a loaded machine), and its caller got GeneratorExit: a peer starting there exited on one.
+
+        The collector closes such a request wherever it runs, even while this thread sends another request's result
+        under hivemind's lock on the results pipe (``MPFuture._update_lock``, not reentrant): setting the timeout
+        from there froze the whole DHT process, and its peer with it (once on Python 3.12, at start). So the
+        event loop sets it, once the collection is over."""
+        loop = asyncio.get_running_loop()
         try:
             future.set_result(await coro(self, self._node))
         except GeneratorExit:
-            future.set_exception(TimeoutError("the DHT process dropped this request"))
+            try:
+                loop.call_soon_threadsafe(future.set_exception, TimeoutError("the DHT process dropped this request"))
+            except RuntimeError:  # the loop is closed: the process is stopping, and its caller with it
+                pass
             raise
         except BaseException as e:  # the caller raises it
             logger.debug(f"a DHT request failed: {e!r}")

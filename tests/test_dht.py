@@ -4,6 +4,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import functools
+import gc
 import json
 import os
 import signal
@@ -352,22 +353,34 @@ def test_the_addresses_a_reachability_check_dials_are_direct_and_loopback_only_o
 def test_a_request_the_dht_process_drops_reads_as_a_timeout():
     """hivemind keeps no reference to a request's task: garbage-collected while pending, its coroutine is closed,
     and the caller got GeneratorExit (a starting peer exited on one). It gets a TimeoutError, which callers
-    handle as a lookup that came late."""
-    async def never(dht, node):
-        await asyncio.get_event_loop().create_future()  # nobody holds it: it never resolves
+    handle as a lookup that came late. The collector may run while the DHT process holds hivemind's
+    (non-reentrant) lock on its results pipe, so the timeout is set by the event loop after the collection, never
+    from inside it: from inside, it froze a peer's DHT process for good."""
+    collecting, set_in_collection = [False], []
 
-    future = concurrent.futures.Future()
+    class Recorded(concurrent.futures.Future):
+        def set_exception(self, exception):
+            set_in_collection.append(collecting[0])
+            super().set_exception(exception)
+
+    async def never(dht, node):
+        await asyncio.get_running_loop().create_future()  # nobody holds it: it never resolves
+
+    future = Recorded()
     loop = asyncio.new_event_loop()
     try:
-        asyncio.set_event_loop(loop)
-        request = SwarmDHT._run_coroutine(types.SimpleNamespace(_node=None), never, future)
-        request.send(None)  # now pending, as a task would be
-        request.close()  # what the garbage collector does to a pending task's coroutine
+        task = loop.create_task(SwarmDHT._run_coroutine(types.SimpleNamespace(_node=None), never, future))
+        loop.run_until_complete(asyncio.sleep(0))  # the request is now pending on a future nobody else holds
+        collecting[0] = True
+        del task
+        gc.collect()  # "Task was destroyed but it is pending!"
+        collecting[0] = False
+        loop.run_until_complete(asyncio.sleep(0))
     finally:
         loop.close()
-        asyncio.set_event_loop(None)
     with pytest.raises(TimeoutError, match="dropped"):
         future.result(timeout=0)
+    assert set_in_collection == [False]
 
 
 STALL = 1.0  # seconds the test's event loop is held while the other end answers: a process stopped for a moment
