@@ -284,9 +284,17 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """hivemind's routing of a groupmate's parts to its group's all-reduce, and to one that lingers."""
+        """hivemind's routing of a groupmate's parts to its group's all-reduce, and to one that lingers.
+
+        A stream that comes before our runner is registered waits on the group's future. hivemind cancels a
+        stream's handler when its connection closes, and a handler awaiting that future cancelled it, for every
+        groupmate's stream at once and for the registration (InvalidStateError): one connection reset before we
+        began failed the whole round, where a resumed stream would have carried on. The wait is shielded."""
         request = await anext(stream)
         runner = self._lingering.get(request.group_id)
+        registered = self._running_groups.get(request.group_id)
+        if runner is None and registered is not None:
+            await asyncio.shield(registered)
         route = super().rpc_aggregate_part if runner is None else runner.rpc_aggregate_part
         async for message in route(achain(as_aiter(request), stream), context):
             yield message
