@@ -1,12 +1,11 @@
 """Every reach into hivemind's private parts, in one place, for the one hivemind release they were written against.
 
 hivemind 1.1.12 has no public way to do what a serverless, exact and measured round needs: dial a peer and
-learn at once whether it is gone, drop a stale connection, keep the daemon client alive past a late reply, sign
-DHT records with a peer's own identity key,
-count the bytes its p2p streams carry, re-key and resize matchmaking for each round, tell when no group
-formed, and run a method in the averager's process. Each function below does one of these through hivemind's
-private attributes. A new hivemind release may move any of them, so ``check_version`` refuses one this module
-was not checked against, in one line, before anything starts.
+learn at once whether it is gone, drop a stale connection, keep the daemon client alive past a late reply, sign DHT
+records with a peer's own identity key, count the bytes its p2p streams carry, re-key and resize matchmaking for
+each round, tell when no group formed, and run a method in the averager's process. Each function below does one
+of these through hivemind's private attributes. A new hivemind release may move any of them, so ``check_version``
+refuses one this module was not checked against, in one line, before anything starts.
 
 The subclasses of hivemind's all-reduce runner, part container and reducer (``peer/averaging/allreduce.py``)
 and of its averager (``peer/averaging/averager.py``) override hivemind's own methods and use the fields they
