@@ -178,9 +178,12 @@ def test_three_real_peers_with_fragments_agree_learn_and_send_one_fragment_a_rou
     params = count_parameters(build_model("micro", load_tokenizer("bytes").vocab_size, 64, 0))
     fragment_bytes = 2 * -(-params // 2)
     # (an aligned round sends the moment too; a retried one sends again: in CI the first round's all-reduce lost a
-    # sender under the start's load, and its 2 attempts put the mean at 1.12)
-    full = [r["bytes_sent"] for p in peers for r in p.metrics
-            if r["applied"] and r["group_size"] == 3 and not r["aligned"] and r["attempts"] == 1]
+    # sender under the start's load, and its 2 attempts put the mean at 1.12. A round in which a later peer joined
+    # counts the state its donors served: on Python 3.12 one peer's first round sent 1.2 MB where the others sent
+    # 0.23, and put the mean at 1.30. Only rounds after the last peer's first one are measured.)
+    joined = max(p.metrics[0]["epoch"] for p in peers)
+    full = [r["bytes_sent"] for p in peers for r in p.metrics if r["epoch"] > joined
+            and r["applied"] and r["group_size"] == 3 and not r["aligned"] and r["attempts"] == 1]
     assert 0.9 < statistics.mean(full) / (2 * 2 / 3 * fragment_bytes) < 1.1, (statistics.mean(full), params)
 
 
