@@ -284,12 +284,9 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """hivemind's routing of a groupmate's parts to its group's all-reduce, and to one that lingers.
-
-        A stream that comes before our runner is registered waits on the group's future. hivemind cancels a
-        stream's handler when its connection closes, and a handler awaiting that future cancelled it, for every
-        groupmate's stream at once and for the registration (InvalidStateError): one connection reset before we
-        began failed the whole round, where a resumed stream would have carried on. The wait is shielded."""
+        """hivemind's routing of a groupmate's parts to its group's all-reduce, and to one that lingers. A stream's
+        wait for our runner is shielded: hivemind cancels the handler of a stream whose connection resets, and that
+        cancelled the group's future for every groupmate's stream and for our registration (InvalidStateError)."""
         request = await anext(stream)
         runner = self._lingering.get(request.group_id)
         registered = self._running_groups.get(request.group_id)
