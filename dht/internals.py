@@ -1,11 +1,12 @@
 """Every reach into hivemind's private parts, in one place, for the one hivemind release they were written against.
 
 hivemind 1.1.12 has no public way to do what a serverless, exact and measured round needs: dial a peer and
-learn at once whether it is gone, drop a stale connection, keep the daemon client alive past a late reply, sign DHT
-records with a peer's own identity key, count the bytes its p2p streams carry, re-key and resize matchmaking for
-each round, tell when no group formed, and run a method in the averager's process. Each function below does one
-of these through hivemind's private attributes. A new hivemind release may move any of them, so ``check_version``
-refuses one this module was not checked against, in one line, before anything starts.
+learn at once whether it is gone, drop a stale connection, keep the daemon client reading past a late reply and
+hear when its daemon dies, sign DHT records with a peer's own identity key, count the bytes its p2p streams carry,
+re-key and resize matchmaking for each round, tell when no group formed, and run a method in the averager's
+process. Each function below does one of these through hivemind's private attributes. A new hivemind release may
+move any of them, so ``check_version`` refuses one this module was not checked against, in one line, before
+anything starts.
 
 The subclasses of hivemind's all-reduce runner, part container and reducer (``peer/averaging/allreduce.py``)
 and of its averager (``peer/averaging/averager.py``) override hivemind's own methods and use the fields they
@@ -15,15 +16,18 @@ inherit, as subclasses do; they, too, hold only for the versions named here.
 from __future__ import annotations
 
 import asyncio
+import logging
 from math import isfinite
 from typing import Any, Awaitable, Callable, List, Optional, Sequence, Set, Tuple
 
 import hivemind
 from hivemind.dht.crypto import RSAPrivateKey
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PDaemonError, PeerID
 from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
 
 from dht.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 TESTED_VERSIONS = ("1.1.12",)  # hivemind releases whose internals this module was checked against
 
@@ -91,6 +95,55 @@ def drop_late_replies() -> None:
 
     __init__.drops_late_replies = True
     ControlClient.__init__ = __init__
+
+
+_ON_DAEMON_CLOSED: List[Callable[[], None]] = []  # what this process does when its daemon connection closes
+
+
+def watch_daemon_connection(on_closed: Optional[Callable[[], None]] = None) -> None:
+    """Keep every p2p daemon client this process (and its forks) creates from now on reading what its daemon sends,
+    and act when it cannot any more.
+
+    hivemind's client reads the replies of its unary calls (every DHT request) and the requests for its handlers
+    in one task. Should that task end, the process is deaf to the swarm, and nothing says so: every request waits
+    out its timeout, for good, and the peer trains alone. Now a message the task fails on is logged, skipped, and
+    it reads on. When the daemon closes the connection (it died: killed, out of memory), the calls that wait fail
+    at once, and each ``on_closed`` given in this process runs (the DHT's process tells its peer, which leaves:
+    ``SwarmDHT.daemon_gone``). A client that closes itself cancels its reader: no ``on_closed`` runs. Late replies
+    are dropped too (``drop_late_replies``). Idempotent; each call adds its ``on_closed``."""
+    drop_late_replies()
+    if on_closed is not None:
+        _ON_DAEMON_CLOSED.append(on_closed)
+    if getattr(ControlClient._ensure_persistent_conn, "reads_on", False):
+        return
+
+    async def _ensure_persistent_conn(self) -> None:  # hivemind's, with our reader
+        reader, writer = await self.daemon_connector.open_persistent_connection()
+        self._read_task = asyncio.create_task(_read_on(self, reader))
+        self._write_task = asyncio.create_task(self._write_to_persistent_conn(writer))
+
+    _ensure_persistent_conn.reads_on = True
+    ControlClient._ensure_persistent_conn = _ensure_persistent_conn
+
+
+async def _read_on(client: ControlClient, reader: asyncio.StreamReader) -> None:
+    """hivemind's reader for ``client``, started again after a message it failed on; at the end of the stream the
+    waiting calls fail and the hooks run (``watch_daemon_connection``)."""
+    while True:
+        try:
+            await ControlClient._read_from_persistent_conn(client, reader)  # returns at the end of the stream
+            break
+        except (ConnectionError, OSError):  # the connection broke: nothing more will come
+            break
+        except Exception as e:  # hivemind's reader read the whole message first: the next one starts clean
+            logger.warning(f"the p2p daemon client could not take a message from its daemon ({e!r}); reading on")
+    closed = P2PDaemonError("the p2p daemon closed its control connection (it died: killed, or out of memory?)")
+    for future in list(client._pending_calls.values()):
+        if not future.done():
+            future.set_exception(closed)
+    logger.debug(f"{closed}")
+    for on_closed in _ON_DAEMON_CLOSED:
+        on_closed()
 
 
 def rsa_key(der: bytes) -> RSAPrivateKey:

@@ -444,6 +444,89 @@ def test_a_request_given_up_as_its_reply_comes_leaves_the_daemon_client_working(
         thread.join(30)
 
 
+@pytest.fixture
+def daemon_closed():
+    """An event set when a daemon client of this process sees its daemon close (``watch_daemon_connection``)."""
+    closed = threading.Event()
+    internals.watch_daemon_connection(closed.set)
+    yield closed
+    internals._ON_DAEMON_CLOSED.remove(closed.set)
+
+
+def test_a_p2p_daemon_that_dies_fails_the_calls_waiting_on_it_at_once(daemon_closed):
+    """A p2p daemon killed (by hand, or by the kernel out of memory) ended hivemind's reader without a word, and the
+    calls waiting on it waited out their timeouts: the DHT's process, and its peer, went on deaf to the swarm. Now
+    they fail at once, and the process is told (the peer leaves, saying why: tests/test_faults.py)."""
+    from hivemind.p2p import P2PDaemonError
+
+    async def main():
+        server = await P2P.create(host_maddrs=[LOOPBACK])
+        caller = await P2P.create(host_maddrs=[LOOPBACK], initial_peers=await server.get_visible_maddrs())
+        entered = asyncio.Event()
+
+        async def hang(_request, _context):
+            entered.set()
+            await asyncio.Event().wait()
+
+        try:
+            await server.add_protobuf_handler("hang", hang, dht_pb2.PingRequest)
+            call = asyncio.ensure_future(caller.call_protobuf_handler(server.peer_id, "hang", dht_pb2.PingRequest(),
+                                                                      dht_pb2.PingRequest))
+            await asyncio.wait_for(entered.wait(), 10)
+            caller._child.kill()
+            with pytest.raises(P2PDaemonError, match="closed its control connection"):
+                await asyncio.wait_for(call, 10)  # a TimeoutError here: the call outlived its daemon
+        finally:
+            await caller.shutdown()
+            await server.shutdown()
+
+    asyncio.run(main())
+    assert daemon_closed.is_set()
+
+
+def test_the_daemon_client_reads_on_past_a_message_it_cannot_take(daemon_closed, caplog):
+    """Any message hivemind's reader fails on ended it, and with it every reply to come. The daemon's end of the
+    connection here is the test's: a message that is not protobuf, then the reply to a call, then the end."""
+    from hivemind.p2p import P2PDaemonError
+    from hivemind.p2p.p2p_daemon_bindings.control import ControlClient
+    from hivemind.p2p.p2p_daemon_bindings.utils import read_pbmsg_safe, write_pbmsg
+    from hivemind.proto import p2pd_pb2
+
+    async def main():
+        ours, theirs = socket.socketpair()
+        daemon_reader, daemon_writer = await asyncio.open_connection(sock=theirs)
+
+        class Connector:
+            async def open_persistent_connection(self):
+                return await asyncio.open_connection(sock=ours)
+
+        client = await ControlClient.create(Connector())
+        peer = PeerID(b"\x00\x01")
+
+        async def take_call() -> p2pd_pb2.PersistentConnectionRequest:
+            request = p2pd_pb2.PersistentConnectionRequest()
+            await read_pbmsg_safe(daemon_reader, request)
+            return request
+
+        daemon_writer.write(b"\x03\xff\xff\xff")  # three bytes that parse as no message
+        answered = asyncio.ensure_future(client.call_unary_handler(peer, "echo", b"ping"))
+        request = await asyncio.wait_for(take_call(), 5)
+        await write_pbmsg(daemon_writer, p2pd_pb2.PersistentConnectionResponse(
+            callId=request.callId, callUnaryResponse=p2pd_pb2.CallUnaryResponse(response=request.callUnary.data)))
+        assert await asyncio.wait_for(answered, 5) == b"ping"  # a TimeoutError here: the reader had died
+
+        waiting = asyncio.ensure_future(client.call_unary_handler(peer, "echo", b"again"))
+        await asyncio.wait_for(take_call(), 5)
+        daemon_writer.close()
+        with pytest.raises(P2PDaemonError, match="closed its control connection"):
+            await asyncio.wait_for(waiting, 5)
+        client.close()
+
+    asyncio.run(main())
+    assert "could not take a message from its daemon" in caplog.text
+    assert daemon_closed.is_set()
+
+
 def test_a_node_checks_each_record_once_and_a_bad_one_every_time():
     """Every lookup reply carries a run's whole dictionary of records, and checking each again in every reply was
     79% of a DHT process's CPU with 16 peers."""
