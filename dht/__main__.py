@@ -64,7 +64,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         hint = private_only_hint(maddrs)  # announced public addresses are among them
         if hint:
             print(f"warning: {hint}", file=sys.stderr, flush=True)
-        stop.wait()
+        while not stop.wait(1.0):
+            lost = dht.daemon_lost()
+            if lost:
+                raise UserError(lost)
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import multiprocessing
 import os
 import re
 import shutil
@@ -67,11 +68,29 @@ class SwarmDHT(hivemind.DHT):
     """hivemind.DHT whose background process, and its p2p daemon, die with the process that started it.
     ``daemon_flags``: p2pd flags that hivemind does not expose. ``identity_check``: (identity path, initial
     peers): first ask the swarm whether a live peer uses that identity (``identity_taken``), in the DHT's own
-    process, so that the process that started it goes on meanwhile (a peer builds its model)."""
+    process, so that the process that started it goes on meanwhile (a peer builds its model). ``daemon_gone`` is
+    set once its p2p daemon has died: the node can no longer reach the swarm (``daemon_lost``)."""
 
     def __init__(self, *args, daemon_flags: Optional[dict] = None, identity_check: Optional[tuple] = None, **kwargs):
         self.daemon_flags, self.identity_check = daemon_flags or {}, identity_check
+        self.daemon_gone = multiprocessing.Event()
         super().__init__(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        """hivemind's; but a node whose daemon died is killed at once: its shutdown would wait its grace period out on
+        the daemon, and there is no one left to tell."""
+        if self.daemon_gone.is_set() and self.is_alive():
+            self.kill()
+            self.join()
+        else:
+            super().shutdown()
+
+    def daemon_lost(self) -> Optional[str]:
+        """What to tell the user once this node's p2p daemon has died, else None."""
+        if not self.daemon_gone.is_set():
+            return None
+        return ("this node's p2p daemon died (killed, or out of memory?), and with it the node's link to the swarm; "
+                "start it again (a peer with --checkpoint-dir resumes from its last round)")
 
     async def _run_coroutine(self, coro, future) -> None:
         """Run one request in the DHT's process, as hivemind does, except that a request lost there reads as a
@@ -107,6 +126,7 @@ class SwarmDHT(hivemind.DHT):
                 return
         spawn_daemon_detached()
         internals.add_daemon_flags(**self.daemon_flags)
+        internals.watch_daemon_connection(self.daemon_gone.set)
         # go-libp2p dials from its listening port (SO_REUSEPORT) unless told not to. Two peers that dial each
         # other at the same moment then open one TCP connection from both ends (a simultaneous open: the same
         # four addresses), both run the handshake as its initiator, and both dials fail ("noise: message is
@@ -166,7 +186,7 @@ def start_dht(config: DHTConfig, record_validators: Iterable[RecordValidatorBase
     ``await_ready=False``: return once its process is forked, while its p2p daemon starts and reaches the initial
     peers (a peer builds its model meanwhile); ``dht_ready`` then waits for it, and says what failed."""
     internals.check_version()
-    internals.drop_late_replies()
+    internals.watch_daemon_connection()
     validators = list(record_validators)
     if not any(isinstance(v, RSASignatureValidator) for v in validators):
         validators.insert(0, signer())

@@ -7,6 +7,7 @@ killed victim resumes from its checkpoint; a frozen or slowed one rejoins the gr
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
@@ -25,6 +26,7 @@ from tests.harness.swarm import (
     assert_groups_agree,
     assert_loss_fell,
     by_epoch,
+    descendants,
     wait_until,
 )
 
@@ -330,3 +332,27 @@ def test_fragments_keep_the_invariants_when_a_member_dies_mid_allreduce_and_retu
     for peer in survivors + [back]:
         assert peer.wait(60) == 0, peer.stderr[-3000:]
     assert_invariants(survivors, everyone, min_rounds=8)
+
+
+def test_a_peer_whose_p2p_daemon_dies_leaves_saying_why_and_resumes_on_restart(swarm, tmp_path):
+    """A volunteer's p2p daemon killed (out of memory, a stray pkill) left its peer training alone and unheard, with
+    no line in any log: every DHT request waited out its timeout, for good. Now the peer ends its round, says why
+    in one line and exits, checkpointed; the same command brings it back into the swarm from there."""
+    survivor = swarm.peer("p0")
+    victim = swarm.peer("victim", "--checkpoint-dir", str(tmp_path / "victim"))
+    wait_until(lambda: all(p.reached(lambda m: sum(r["applied"] for r in m) >= 2) for p in (survivor, victim)), 180,
+               "two rounds of both peers")
+    daemons = [pid for pid in descendants(victim.popen.pid) if Path(f"/proc/{pid}/comm").read_text().strip() == "p2pd"]
+    assert len(daemons) == 1, daemons
+    os.kill(daemons[0], signal.SIGKILL)
+    assert victim.wait(60) == 2, victim.stderr[-3000:]
+    assert "Traceback" not in victim.stderr, victim.stderr[-3000:]
+    last_line = victim.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: this node's p2p daemon died"), victim.stderr[-3000:]
+    left = victim.metrics[-1]["epoch"]
+
+    again = swarm.restart(victim, "victim-again")
+    wait_until(lambda: again.reached(lambda m: any(r["epoch"] > left and r["applied"] and r["group_size"] == 2
+                                                     for r in m)), 180, "a round of the restarted victim with p0")
+    first = next(r for r in again.metrics if r.get("resumed_hash") is not None)
+    assert first["epoch"] >= left

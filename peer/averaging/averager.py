@@ -83,7 +83,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
                  part_size_bytes: Optional[int] = None, clip_factor: float = 0.0, ban_after: int = 0,
                  state_size: Optional[int] = None, max_upload_mbit: float = 0.0):
         internals.check_version()
-        internals.drop_late_replies()  # for the daemon client its process makes (``replicate_p2p``)
+        internals.watch_daemon_connection()  # for the daemon client its process makes (``replicate_p2p``)
         # values in G (and in m): the buffers hold one fragment of them with --fragments (peer/outer/fragments.py)
         self.state_size = delta.numel() if state_size is None else state_size
         self.codec, self.hooks, self._state_provider = codec, hooks or Hooks(), state_provider
@@ -129,6 +129,13 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         internals.meter_streams(self._count(0), self._count(1), pace=pacer and pacer.reserve, chunk=CHUNK_BYTES,
                                 small=SMALL_BYTES)
         super().run()
+
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        """hivemind's, for a p2p daemon that may have died (``SwarmDHT.daemon_lost``): its handlers went with it."""
+        try:
+            await super()._shutdown(timeout)
+        except (ConnectionError, OSError):  # the daemon is gone, and every group's streams with it
+            logger.debug("the averager stopped after its p2p daemon")
 
     def _count(self, index: int):
         """Count every byte this process writes to (0) or reads from (1) its p2p streams. This is what the process

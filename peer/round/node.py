@@ -18,6 +18,7 @@ import time
 from typing import Optional, Tuple
 
 from dht.addresses import private_only_hint
+from dht.errors import UserError
 from dht.manifest import MANIFEST_TTL, listed_name, publish_manifest
 from dht.node import visible_maddrs
 from peer.config import NodeConfig, SyncConfig
@@ -86,11 +87,10 @@ class Peer:
         checkpointed) at that phase's end, before the next sync starts."""
         max_rounds, progress = self.node.max_rounds, self.progress
         batches = island_batches(self.parts.stream, self.run.batch_size, self.island)
-        while not self.stop_requested.is_set() and not (max_rounds and progress.rounds + bool(self.inflight)
-                                                          >= max_rounds):
+        while not self._leaving() and not (max_rounds and progress.rounds + bool(self.inflight) >= max_rounds):
             stats = self._inner_phase(batches)
             progress.pending_tokens += stats.tokens
-            if stats.steps == 0 or self.stop_requested.is_set():
+            if stats.steps == 0 or self._leaving():
                 break
             progress.pending_rounds += 1
             if self.inflight is not None:
@@ -103,11 +103,18 @@ class Peer:
             self.clock.planned.set()  # no next round to plan
             self._finish(self.inflight)
             self.inflight = None
+        lost = self.parts.dht.daemon_lost()
+        if lost:  # nobody hears us now: no leaving record, no hand-over; ``close`` checkpoints the work
+            raise UserError(lost)
         self._publish(status=LEAVING)  # nobody counts us in a group now; we still serve our state
         stranded = self.parts.catchup.hand_over()
         if stranded:
             logger.info(f"leaving while {len(stranded)} peer(s) that lack our state could get it from nobody else")
         return 0
+
+    def _leaving(self) -> bool:
+        """Stopped, or our p2p daemon died: without it we would train alone, unheard (``SwarmDHT.daemon_lost``)."""
+        return self.stop_requested.is_set() or self.parts.dht.daemon_gone.is_set()
 
     def _inner_phase(self, batches):
         """The inner steps of one round, until its planned end; checkpoints mid-round if one is due."""
