@@ -65,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if hint:
             print(f"warning: {hint}", file=sys.stderr, flush=True)
         while not stop.wait(1.0):
-            lost = dht.daemon_lost()
+            lost = dht.link_lost()
             if lost:
                 raise UserError(lost)
         return 0

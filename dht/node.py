@@ -69,7 +69,8 @@ class SwarmDHT(hivemind.DHT):
     ``daemon_flags``: p2pd flags that hivemind does not expose. ``identity_check``: (identity path, initial
     peers): first ask the swarm whether a live peer uses that identity (``identity_taken``), in the DHT's own
     process, so that the process that started it goes on meanwhile (a peer builds its model). ``daemon_gone`` is
-    set once its p2p daemon has died: the node can no longer reach the swarm (``daemon_lost``)."""
+    set once its p2p daemon has died; then, or once the DHT's process has, the node can no longer reach the swarm
+    (``link_lost``)."""
 
     def __init__(self, *args, daemon_flags: Optional[dict] = None, identity_check: Optional[tuple] = None, **kwargs):
         self.daemon_flags, self.identity_check = daemon_flags or {}, identity_check
@@ -85,12 +86,17 @@ class SwarmDHT(hivemind.DHT):
         else:
             super().shutdown()
 
-    def daemon_lost(self) -> Optional[str]:
-        """What to tell the user once this node's p2p daemon has died, else None."""
-        if not self.daemon_gone.is_set():
+    def link_lost(self) -> Optional[str]:
+        """What to tell the user once this node's p2p daemon or DHT process has died, else None. (Call it in the
+        process that started the node.)"""
+        if self.daemon_gone.is_set():
+            part = "p2p daemon"
+        elif not self.is_alive():
+            part = "DHT process"
+        else:
             return None
-        return ("this node's p2p daemon died (killed, or out of memory?), and with it the node's link to the swarm; "
-                "start it again (a peer with --checkpoint-dir resumes from its last round)")
+        return (f"this node's {part} died (killed, or out of memory?), and with it the node's link to the swarm; "
+                f"start it again (a peer with --checkpoint-dir resumes from its last round)")
 
     async def _run_coroutine(self, coro, future) -> None:
         """Run one request in the DHT's process, as hivemind does, except that a request lost there reads as a

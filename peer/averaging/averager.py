@@ -131,7 +131,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         super().run()
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
-        """hivemind's, for a p2p daemon that may have died (``SwarmDHT.daemon_lost``): its handlers went with it."""
+        """hivemind's, for a p2p daemon that may have died (``SwarmDHT.link_lost``): its handlers went with it."""
         try:
             await super()._shutdown(timeout)
         except (ConnectionError, OSError):  # the daemon is gone, and every group's streams with it

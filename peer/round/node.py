@@ -103,7 +103,7 @@ class Peer:
             self.clock.planned.set()  # no next round to plan
             self._finish(self.inflight)
             self.inflight = None
-        lost = self.parts.dht.daemon_lost()
+        lost = self.parts.dht.link_lost()
         if lost:  # nobody hears us now: no leaving record, no hand-over; ``close`` checkpoints the work
             raise UserError(lost)
         self._publish(status=LEAVING)  # nobody counts us in a group now; we still serve our state
@@ -113,8 +113,8 @@ class Peer:
         return 0
 
     def _leaving(self) -> bool:
-        """Stopped, or our p2p daemon died: without it we would train alone, unheard (``SwarmDHT.daemon_lost``)."""
-        return self.stop_requested.is_set() or self.parts.dht.daemon_gone.is_set()
+        """Stopped, or our p2p daemon or DHT process died: we would train alone, unheard (``SwarmDHT.link_lost``)."""
+        return self.stop_requested.is_set() or self.parts.dht.link_lost() is not None
 
     def _inner_phase(self, batches):
         """The inner steps of one round, until its planned end; checkpoints mid-round if one is due."""
