@@ -103,7 +103,7 @@ class Peer:
             self.clock.planned.set()  # no next round to plan
             self._finish(self.inflight)
             self.inflight = None
-        lost = self.parts.dht.link_lost()
+        lost = self._link_lost()
         if lost:  # nobody hears us now: no leaving record, no hand-over; ``close`` checkpoints the work
             raise UserError(lost)
         self._publish(status=LEAVING)  # nobody counts us in a group now; we still serve our state
@@ -113,8 +113,15 @@ class Peer:
         return 0
 
     def _leaving(self) -> bool:
-        """Stopped, or our p2p daemon or DHT process died: we would train alone, unheard (``SwarmDHT.link_lost``)."""
-        return self.stop_requested.is_set() or self.parts.dht.link_lost() is not None
+        return self.stop_requested.is_set() or self._link_lost() is not None
+
+    def _link_lost(self) -> Optional[str]:
+        """What to tell the user once our p2p daemon, DHT process or averager process has died: we would train alone,
+        unheard (the swarm's other peers too, in a swarm of two)."""
+        if self.parts.averager.is_alive():
+            return self.parts.dht.link_lost()
+        return ("this peer's averaging process died (killed, or out of memory?): it can no longer average with the "
+                "swarm; start it again (with --checkpoint-dir it resumes from its last round)")
 
     def _inner_phase(self, batches):
         """The inner steps of one round, until its planned end; checkpoints mid-round if one is due."""
