@@ -66,7 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"warning: {hint}", file=sys.stderr, flush=True)
         while not stop.wait(1.0):
             lost = dht.link_lost()
-            if lost:
+            if lost and not stop.is_set():  # (systemd stops the daemon with us)
                 raise UserError(lost)
         return 0
     except UserError as e:

@@ -27,6 +27,7 @@ from tests.harness.swarm import (
     assert_loss_fell,
     by_epoch,
     descendants,
+    signal_group,
     wait_until,
 )
 
@@ -338,32 +339,39 @@ def parent_pid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-@pytest.mark.parametrize("part", ["p2p daemon", "averaging process"])
-def test_a_peer_whose_p2p_daemon_or_averager_dies_leaves_saying_why_and_resumes_on_restart(swarm, tmp_path, part):
+def test_a_peer_whose_p2p_daemon_or_averager_dies_leaves_saying_why_and_resumes_on_restart(swarm, tmp_path):
     """A volunteer's p2p daemon or averager process killed (out of memory, a stray pkill) left its peer training
     alone and unheard, with no line in any log: every DHT request waited out its timeout, for good, or every sync
     failed. Its partner in a swarm of two trained alone too. Now the peer ends its round, says why in one line and
-    exits, checkpointed; the same command brings it back into the swarm from there. (A DHT process that dies:
-    tests/test_errors.py, on a bootstrap node.)"""
+    exits, checkpointed; the same command brings it back into the swarm from there. One victim of each, side by
+    side. (A DHT process that dies: tests/test_errors.py, on a bootstrap node.)"""
     survivor = swarm.peer("p0")
-    victim = swarm.peer("victim", "--checkpoint-dir", str(tmp_path / "victim"))
-    wait_until(lambda: all(p.reached(lambda m: sum(r["applied"] for r in m) >= 2) for p in (survivor, victim)), 180,
-               "two rounds of both peers")
-    processes = descendants(victim.popen.pid)
-    daemons = [pid for pid in processes if Path(f"/proc/{pid}/comm").read_text().strip() == "p2pd"]
-    assert len(daemons) == 1, daemons
-    averagers = [pid for pid in processes if parent_pid(pid) == victim.popen.pid and pid != parent_pid(daemons[0])
-                 and "peer" in Path(f"/proc/{pid}/cmdline").read_text()]  # (not the DHT's, nor torch's shm manager)
-    assert len(averagers) == 1, averagers
-    os.kill(daemons[0] if part == "p2p daemon" else averagers[0], signal.SIGKILL)
-    assert victim.wait(60) == 2, victim.stderr[-3000:]
-    assert "Traceback" not in victim.stderr, victim.stderr[-3000:]
-    last_line = victim.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("error: this ") and f"{part} died" in last_line, victim.stderr[-3000:]
-    left = victim.metrics[-1]["epoch"]
-
-    again = swarm.restart(victim, "victim-again")
-    wait_until(lambda: again.reached(lambda m: any(r["epoch"] > left and r["applied"] and r["group_size"] == 2
-                                                     for r in m)), 180, "a round of the restarted victim with p0")
-    first = next(r for r in again.metrics if r.get("resumed_hash") is not None)
-    assert first["epoch"] >= left
+    victims = {part: swarm.peer(name, "--checkpoint-dir", str(tmp_path / name))
+               for part, name in (("p2p daemon", "daemon-victim"), ("averaging process", "averager-victim"))}
+    everyone = (survivor, *victims.values())
+    wait_until(lambda: all(p.reached(lambda m: sum(r["applied"] for r in m) >= 2) for p in everyone), 180,
+               "two rounds of every peer")
+    for part, victim in victims.items():
+        processes = descendants(victim.popen.pid)
+        daemons = [pid for pid in processes if Path(f"/proc/{pid}/comm").read_text().strip() == "p2pd"]
+        assert len(daemons) == 1, daemons
+        averagers = [pid for pid in processes if parent_pid(pid) == victim.popen.pid and pid != parent_pid(daemons[0])
+                     and "peer" in Path(f"/proc/{pid}/cmdline").read_text()]  # (not the DHT's, nor torch's shm manager)
+        assert len(averagers) == 1, averagers
+        os.kill(daemons[0] if part == "p2p daemon" else averagers[0], signal.SIGKILL)
+    restarted = {}
+    for part, victim in victims.items():
+        assert victim.wait(60) == 2, victim.stderr[-3000:]
+        assert "Traceback" not in victim.stderr, victim.stderr[-3000:]
+        last_line = victim.stderr.strip().splitlines()[-1]
+        assert last_line.startswith("error: this ") and f"{part} died" in last_line, victim.stderr[-3000:]
+        restarted[victim.metrics[-1]["epoch"]] = swarm.restart(victim, f"{victim.name}-again")
+    for left, again in restarted.items():
+        wait_until(lambda: again.reached(lambda m: any(r["epoch"] > left and r["applied"] and r["group_size"] >= 2
+                                                         for r in m)), 180, f"a round of {again.name} in a group")
+        first = next(r for r in again.metrics if r.get("resumed_hash") is not None)
+        assert first["epoch"] >= left
+    # a stop of the whole process group (systemd's, say) stops the daemon too: that is no error
+    signal_group(survivor, signal.SIGTERM)
+    assert survivor.wait(60) == 0, survivor.stderr[-3000:]
+    assert "error:" not in survivor.stderr, survivor.stderr[-3000:]

@@ -106,6 +106,8 @@ class Peer:
             self.inflight = None
         lost = self._link_lost()
         if lost:  # nobody hears us now: no leaving record, no hand-over; ``close`` checkpoints the work
+            if self.stop_requested.is_set():  # (systemd stops the daemon with us: all is as asked)
+                return 0
             raise UserError(lost)
         self._publish(status=LEAVING)  # nobody counts us in a group now; we still serve our state
         stranded = self.parts.catchup.hand_over()
