@@ -98,16 +98,15 @@ def test_listen_address_not_on_this_machine():
 @pytest.mark.parametrize("victim", ["p2p daemon", "DHT process"])
 def test_a_bootstrap_node_whose_p2p_daemon_or_dht_process_dies_says_so_and_exits(tmp_path, victim):
     """Its DHT could no longer answer anyone, while the node looked up. (A peer: tests/test_faults.py.)"""
-    from tests.harness.swarm import descendants
+    from tests.harness.swarm import p2p_daemons, parent_pid
 
     node = Proc([sys.executable, "-m", "dht", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], tmp_path, "bootstrap")
     try:
         wait_until(lambda: MADDR.findall(node.stdout), 60, "the bootstrap node")
-        daemons = [pid for pid in descendants(node.popen.pid) if open(f"/proc/{pid}/comm").read().strip() == "p2pd"]
+        daemons = p2p_daemons(node.popen.pid)
         assert len(daemons) == 1, daemons
-        if victim == "DHT process":  # the daemon's parent; the daemon dies with it
-            daemons = [int(open(f"/proc/{daemons[0]}/stat").read().rsplit(")", 1)[1].split()[1])]
-        os.kill(daemons[0], signal.SIGKILL)
+        # (the daemon's parent is the DHT's process, and the daemon dies with it)
+        os.kill(daemons[0] if victim == "p2p daemon" else parent_pid(daemons[0]), signal.SIGKILL)
         assert node.wait(30) == 2
         result = subprocess.CompletedProcess(node.args, 2, node.stdout, node.stderr)
         assert_one_line_error(result, f"this node's {victim} died", "start it again")

@@ -27,6 +27,8 @@ from tests.harness.swarm import (
     assert_loss_fell,
     by_epoch,
     descendants,
+    p2p_daemons,
+    parent_pid,
     signal_group,
     wait_until,
 )
@@ -335,10 +337,6 @@ def test_fragments_keep_the_invariants_when_a_member_dies_mid_allreduce_and_retu
     assert_invariants(survivors, everyone, min_rounds=8)
 
 
-def parent_pid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def test_a_peer_whose_p2p_daemon_or_averager_dies_leaves_saying_why_and_resumes_on_restart(swarm, tmp_path):
     """A volunteer's p2p daemon or averager process killed (out of memory, a stray pkill) left its peer training
     alone and unheard, with no line in any log: every DHT request waited out its timeout, for good, or every sync
@@ -352,21 +350,21 @@ def test_a_peer_whose_p2p_daemon_or_averager_dies_leaves_saying_why_and_resumes_
     wait_until(lambda: all(p.reached(lambda m: sum(r["applied"] for r in m) >= 2) for p in everyone), 180,
                "two rounds of every peer")
     for part, victim in victims.items():
-        processes = descendants(victim.popen.pid)
-        daemons = [pid for pid in processes if Path(f"/proc/{pid}/comm").read_text().strip() == "p2pd"]
+        daemons = p2p_daemons(victim.popen.pid)
         assert len(daemons) == 1, daemons
-        averagers = [pid for pid in processes if parent_pid(pid) == victim.popen.pid and pid != parent_pid(daemons[0])
-                     and "peer" in Path(f"/proc/{pid}/cmdline").read_text()]  # (not the DHT's, nor torch's shm manager)
+        averagers = [pid for pid in descendants(victim.popen.pid) if parent_pid(pid) == victim.popen.pid
+                     and pid != parent_pid(daemons[0])  # (not the DHT's process, nor torch's shm manager)
+                     and "peer" in Path(f"/proc/{pid}/cmdline").read_text()]
         assert len(averagers) == 1, averagers
         os.kill(daemons[0] if part == "p2p daemon" else averagers[0], signal.SIGKILL)
-    restarted = {}
+    restarted = []  # (the victim's last epoch, its restart)
     for part, victim in victims.items():
         assert victim.wait(60) == 2, victim.stderr[-3000:]
         assert "Traceback" not in victim.stderr, victim.stderr[-3000:]
         last_line = victim.stderr.strip().splitlines()[-1]
         assert last_line.startswith("error: this ") and f"{part} died" in last_line, victim.stderr[-3000:]
-        restarted[victim.metrics[-1]["epoch"]] = swarm.restart(victim, f"{victim.name}-again")
-    for left, again in restarted.items():
+        restarted.append((victim.metrics[-1]["epoch"], swarm.restart(victim, f"{victim.name}-again")))
+    for left, again in restarted:
         wait_until(lambda: again.reached(lambda m: any(r["epoch"] > left and r["applied"] and r["group_size"] >= 2
                                                          for r in m)), 180, f"a round of {again.name} in a group")
         first = next(r for r in again.metrics if r.get("resumed_hash") is not None)

@@ -160,6 +160,15 @@ def descendants(pid: int) -> List[int]:
     return found
 
 
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # field 4, after the name
+
+
+def p2p_daemons(pid: int) -> List[int]:
+    """The p2p daemons among ``pid``'s descendants (a DHT's, one per node)."""
+    return [child for child in descendants(pid) if Path(f"/proc/{child}/comm").read_text().strip() == "p2pd"]
+
+
 def peer_command(*args: str, harness: Sequence[str] = ()) -> List[str]:
     """``python -m peer ARGS``, or with harness flags (a fault plan, misbehaviour) ``python -m tests.harness``."""
     return [sys.executable, "-m", "tests.harness" if harness else "peer", *harness, *args]
