@@ -100,6 +100,14 @@ class Parts:
     def close(self) -> None:
         self.closer.close()
 
+    def link_lost(self) -> Optional[str]:
+        """What to tell the user once our p2p daemon, DHT process or averager process has died, else None: the peer
+        would train alone, unheard (and so would the other peer of a swarm of two)."""
+        if self.averager.is_alive():
+            return self.dht.link_lost()
+        return ("this peer's averaging process died (killed, or out of memory?): it can no longer average with the "
+                "swarm; start it again (with --checkpoint-dir it resumes from its last round)")
+
 
 def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, net: DHTConfig,
                 island: Optional[Island], hooks: Hooks) -> Parts:
