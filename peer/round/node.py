@@ -85,7 +85,7 @@ class Peer:
         """Round after round until stopped. Without overlap, each round's sync runs between two inner phases;
         with ``--overlap`` it runs in the background during the next inner phase, and is joined (reported,
         checkpointed) at that phase's end, before the next sync starts. A peer whose link to the swarm died
-        (``Parts.link_lost``) ends its round as a stopped one does, then raises the one line that says so."""
+        (``Parts.link_lost``) leaves after its step as a stopped one does, then raises the one line that says so."""
         max_rounds, progress = self.node.max_rounds, self.progress
         batches = island_batches(self.parts.stream, self.run.batch_size, self.island)
         while not self._leaving() and not (max_rounds and progress.rounds + bool(self.inflight) >= max_rounds):
@@ -139,7 +139,7 @@ class Peer:
         def should_stop(steps_done: int) -> bool:  # called before every step
             if self.startup_seconds is None:
                 self.startup_seconds = process_age()
-            return self.stop_requested.is_set() or clock.over(steps_done)
+            return self._leaving() or clock.over(steps_done)  # (a lost link: not a round's more of training alone)
 
         stats = self.parts.trainer.train(batches, steps, run.global_step(self.state.epoch), should_stop, on_step)
         if self.island is not None:  # the island's weight: the tokens of all its ranks
