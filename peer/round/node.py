@@ -139,7 +139,7 @@ class Peer:
         def should_stop(steps_done: int) -> bool:  # called before every step
             if self.startup_seconds is None:
                 self.startup_seconds = process_age()
-            return self._leaving() or clock.over(steps_done)  # (a lost link: not a round's more of training alone)
+            return self._leaving() or clock.over(steps_done)  # (a lost link too: no more steps trained alone)
 
         stats = self.parts.trainer.train(batches, steps, run.global_step(self.state.epoch), should_stop, on_step)
         if self.island is not None:  # the island's weight: the tokens of all its ranks
