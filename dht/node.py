@@ -64,6 +64,12 @@ class DHTConfig:
         require_positive(self, "startup_timeout")
 
 
+def part_died(part: str) -> str:
+    """The line for a node whose ``part`` died (its p2p daemon, its DHT's process, a peer's averager's)."""
+    return (f"this node's {part} died (killed, or out of memory?), and with it the node's link to the swarm; "
+            f"start it again (a peer with --checkpoint-dir resumes from its last round)")
+
+
 class SwarmDHT(hivemind.DHT):
     """hivemind.DHT whose background process, and its p2p daemon, die with the process that started it.
     ``daemon_flags``: p2pd flags that hivemind does not expose. ``identity_check``: (identity path, initial
@@ -90,13 +96,8 @@ class SwarmDHT(hivemind.DHT):
         """What to tell the user once this node's p2p daemon or DHT process has died, else None. (Call it in the
         process that started the node.)"""
         if self.daemon_gone.is_set():
-            part = "p2p daemon"
-        elif not self.is_alive():
-            part = "DHT process"
-        else:
-            return None
-        return (f"this node's {part} died (killed, or out of memory?), and with it the node's link to the swarm; "
-                f"start it again (a peer with --checkpoint-dir resumes from its last round)")
+            return part_died("p2p daemon")
+        return None if self.is_alive() else part_died("DHT process")
 
     async def _run_coroutine(self, coro, future) -> None:
         """Run one request in the DHT's process, as hivemind does, except that a request lost there reads as a

@@ -26,7 +26,7 @@ from diloco_compression.feedback import ErrorFeedback, roundtrip
 from dht.addresses import parse_maddrs
 from dht.joining import reachable
 from dht.manifest import RunManifest, run_namespace
-from dht.node import DHTConfig, dht_ready, discard_made_up_identity, signing_identity, start_dht
+from dht.node import DHTConfig, dht_ready, discard_made_up_identity, part_died, signing_identity, start_dht
 from dht.processes import stop_process
 from dht.reach import Reach
 from dht.validation import run_validators
@@ -103,10 +103,7 @@ class Parts:
     def link_lost(self) -> Optional[str]:
         """What to tell the user once our p2p daemon, DHT process or averager process has died, else None: the peer
         would train alone, unheard (and so would the other peer of a swarm of two)."""
-        if self.averager.is_alive():
-            return self.dht.link_lost()
-        return ("this peer's averaging process died (killed, or out of memory?): it can no longer average with the "
-                "swarm; start it again (with --checkpoint-dir it resumes from its last round)")
+        return self.dht.link_lost() if self.averager.is_alive() else part_died("averaging process")
 
 
 def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, net: DHTConfig,
