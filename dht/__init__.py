@@ -4,7 +4,8 @@
 - ``cli.py``        argparse flags derived from frozen config dataclasses (help text from field metadata)
 - ``addresses.py``  multiaddr validation with errors that say what is wrong and what to do
 - ``node.py``       ``DHTConfig`` and ``start_dht``: start or join a swarm, stable identities, clear failures
-- ``processes.py``  the helper processes (DHT, averager, p2p daemons): forked, stopped, gone with the peer
+- ``processes.py``  the helper processes (DHT, averager, p2p daemons): forked, stopped, gone with the peer; a wait
+                    on one that died ends at once, naming it
 - ``manifest.py``   the run manifest: what a run trains and with which settings, plus its hash
 - ``records.py``    per-peer progress records (epoch, state hash, tokens, schedule) and the key schema
 - ``reach.py``      the dial-back check: can others dial this node? (and its relay circuit addresses)

@@ -29,7 +29,7 @@ from dht import internals
 from dht.addresses import parse_maddrs, scope
 from dht.cli import opt, require_positive
 from dht.errors import UserError, first_line
-from dht.processes import init_child_process, spawn_daemon_detached
+from dht.processes import init_child_process, part_died, spawn_daemon_detached
 from dht.reach import serve_dial_back
 from dht.validation import RememberingValidator, adopt_identity, signer
 
@@ -62,12 +62,6 @@ class DHTConfig:
         parse_maddrs(self.host_maddrs, flag="--host-maddrs", need_peer_id=False)
         parse_maddrs(self.announce_maddrs, flag="--announce-maddrs", need_peer_id=False)
         require_positive(self, "startup_timeout")
-
-
-def part_died(part: str) -> str:
-    """The line for a node whose ``part`` died (its p2p daemon, its DHT's process, a peer's averager's)."""
-    return (f"this node's {part} died (killed, or out of memory?), and with it the node's link to the swarm; "
-            f"start it again (a peer with --checkpoint-dir resumes from its last round)")
 
 
 class SwarmDHT(hivemind.DHT):

@@ -5,16 +5,24 @@ gone when the peer is, however it ends.
 - ``init_child_process``: first thing in every forked helper: die with the parent, and leave SIGTERM to it;
 - ``stop_process``: shut a helper down, and SIGKILL it should it outlive that;
 - ``spawn_daemon_detached``: the p2p daemon in its own process group (a terminal's Ctrl+C is the peer's to handle),
-  dying with the process that started it.
+  dying with the process that started it;
+- ``part_died``, ``LinkLost``: the line, and the exception, for a node whose helper died;
+- ``answer``, ``holding``: wait for a helper's answer, or for a lock it shares, unless the helper has died.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import ctypes
 import multiprocessing
 import os
 import signal
+import time
+from typing import Any, Iterator
+
+DEATH_POLL = 0.5  # seconds between looks at whether the helper we wait on is alive
 
 
 def fork_children() -> None:
@@ -80,3 +88,46 @@ def spawn_daemon_detached() -> None:
         return await spawn(*args, **kwargs)
 
     asyncio.subprocess.create_subprocess_exec = spawn_detached
+
+
+def part_died(part: str) -> str:
+    """The line for a node whose ``part`` died (its p2p daemon, its DHT's process, a peer's averager's)."""
+    return (f"this node's {part} died (killed, or out of memory?), and with it the node's link to the swarm; "
+            f"start it again (a peer with --checkpoint-dir resumes from its last round)")
+
+
+class LinkLost(RuntimeError):
+    """A helper process of this node died (its p2p daemon, its DHT's or averager's process), and with it the node's
+    link to the swarm: what we wait for will never come. Its text is the user's line (``part_died``)."""
+
+
+def check_alive(helper, part: str) -> None:
+    """Raise ``LinkLost`` if ``helper`` (a process we started, known to the user as ``part``) has died."""
+    if not helper.is_alive():
+        raise LinkLost(part_died(part))
+
+
+def answer(future: concurrent.futures.Future, helper, part: str, timeout: float) -> Any:
+    """The result of ``future``, which only ``helper`` can resolve: ``LinkLost`` as soon as the helper is found dead
+    (a SIGKILLed averager held its caller until each call's timeout: a minute, twice over), and
+    ``concurrent.futures.TimeoutError`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return future.result(timeout=max(min(DEATH_POLL, deadline - time.monotonic()), 0.0))
+        except concurrent.futures.TimeoutError:  # (not TimeoutError before Python 3.11)
+            check_alive(helper, part)
+            if time.monotonic() >= deadline:
+                raise
+
+
+@contextlib.contextmanager
+def holding(lock, helper, part: str) -> Iterator[None]:
+    """Hold ``lock``, which ``helper`` shares with us: ``LinkLost`` if the helper dies meanwhile, which it may have
+    done holding the lock, releasing it never."""
+    while not lock.acquire(timeout=DEATH_POLL):
+        check_alive(helper, part)
+    try:
+        yield
+    finally:
+        lock.release()

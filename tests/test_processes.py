@@ -1,0 +1,67 @@
+"""Waiting on a helper process (``dht/processes.py``): a wait on one that died ends at once, naming it.
+
+Real forked processes, SIGKILLed as the kernel's OOM killer would: a peer's averager that died that way held the sync
+waiting on it for a minute, and one that died holding the buffers' lock would have held it for good.
+"""
+
+import concurrent.futures
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from dht.processes import DEATH_POLL, LinkLost, answer, holding
+
+fork = mp.get_context("fork")
+
+
+def sleeper():
+    helper = fork.Process(target=time.sleep, args=(60,), daemon=True)
+    helper.start()
+    return helper
+
+
+def test_a_wait_on_a_helper_ends_as_soon_as_it_dies_and_names_it():
+    helper, future = sleeper(), concurrent.futures.Future()
+    try:
+        threading.Timer(0.2, future.set_result, args=("answered",)).start()  # a live helper's answer comes back
+        assert answer(future, helper, "averaging process", timeout=30) == "answered"
+        with pytest.raises(concurrent.futures.TimeoutError):  # a live helper that does not answer: its timeout
+            answer(concurrent.futures.Future(), helper, "averaging process", timeout=0.3)
+        threading.Timer(0.2, helper.kill).start()
+        started = time.monotonic()
+        with pytest.raises(LinkLost, match="^this node's averaging process died .* start it again"):
+            answer(concurrent.futures.Future(), helper, "averaging process", timeout=60)
+        assert time.monotonic() - started < 0.2 + 4 * DEATH_POLL  # not the 60 s timeout
+    finally:
+        helper.kill()
+        helper.join()
+
+
+def hold_and_die(lock):
+    lock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_lock_held_by_a_helper_that_died_holding_it_fails_the_wait_naming_it():
+    lock = fork.Lock()
+    helper = fork.Process(target=hold_and_die, args=(lock,), daemon=True)
+    helper.start()
+    helper.join()
+    with pytest.raises(LinkLost, match="^this node's averaging process died"):
+        with holding(lock, helper, "averaging process"):
+            pass
+    # a live helper's lock is taken once it lets go, and given back after
+    helper, lock = sleeper(), fork.Lock()
+    try:
+        lock.acquire()
+        threading.Timer(0.2, lock.release).start()
+        with holding(lock, helper, "averaging process"):
+            assert not lock.acquire(block=False)
+        assert lock.acquire(block=False)
+    finally:
+        helper.kill()
+        helper.join()
