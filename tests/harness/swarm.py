@@ -239,10 +239,11 @@ class Swarm:
         args = [*self.defaults, "--host-maddrs", f"/ip4/{host}/tcp/0", *extra, *args]
         return self.track(PeerProc(args, self.log_dir, name, wrap, harness, metrics_path))
 
-    def restart(self, proc: PeerProc, name: str) -> PeerProc:
-        """``proc``'s command again under a new name (fresh log files), appending to the same metrics file."""
-        return self.track(PeerProc(proc.peer_args, self.log_dir, name, harness=proc.harness,
-                                    metrics_path=proc.metrics_path))
+    def restart(self, proc: PeerProc, name: str, harness: Optional[Sequence[str]] = None) -> PeerProc:
+        """``proc``'s command again under a new name (fresh log files), appending to the same metrics file;
+        ``harness``: its harness flags (None: ``proc``'s; (): none, so that a fault plan strikes only once)."""
+        return self.track(PeerProc(proc.peer_args, self.log_dir, name, metrics_path=proc.metrics_path,
+                                    harness=proc.harness if harness is None else harness))
 
     def stop(self, timeout: float) -> Dict[str, Optional[int]]:
         """SIGCONT then SIGTERM every live peer and wait up to ``timeout`` seconds each for it to leave; returns
