@@ -549,6 +549,9 @@ class SimTransport:
     def traffic(self):
         return tuple(self.peer.traffic)
 
+    def link_lost(self):
+        return None  # the simulated peers' processes do not die
+
     def stop(self) -> None:
         pass
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dht.processes import LinkLost, part_died
 from peer.config import RunConfig
 from peer.outer.nesterov import nesterov_step
 from peer.outer.state import state_hash
@@ -1012,7 +1013,55 @@ def test_the_real_transport_polls_a_running_all_reduce_until_it_ends(monkeypatch
 
     monkeypatch.setattr(real, "ABANDON_POLL", 0.01)
     transport = object.__new__(real.SwarmTransport)
-    transport.averager = SimpleNamespace(step=lambda **_: control, matchmaking_kwargs=dict(request_timeout=1.0))
+    alive = [True]
+    transport.averager = SimpleNamespace(step=lambda **_: control, matchmaking_kwargs=dict(request_timeout=1.0),
+                                         is_alive=lambda: alive[0])
+    transport.dht = SimpleNamespace(link_lost=lambda: None)
     transport.meet_at, transport.grace, transport.phase = None, 1.0, real.GROUP
     word = SimpleNamespace(to_wire=lambda: {})
     assert transport.average(word, 1.0, timeout=30.0, abandon=abandon) == "averaged" and len(polls) == 2
+    # an averager process that died mid all-reduce resolves nothing: the next poll says so, not the deadline
+    control, alive[0] = Control(), False
+    with pytest.raises(LinkLost, match="averaging process died"):
+        transport.average(word, 1.0, timeout=30.0)
+
+
+def died(part="averaging process"):
+    """An attempt under which a helper process of ours dies (the kernel's OOM killer, a stray pkill)."""
+    def run(transport, *_):
+        transport.lost = part_died(part)
+        raise LinkLost(transport.lost)
+
+    return run
+
+
+def test_a_helper_that_dies_mid_all_reduce_ends_the_sync_at_once_unapplied():
+    # nobody hears us now: no retry, nothing applied, the work still pending (the peer leaves, checkpointed)
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.scripts.extend([died(), with_group(("a", theirs(peer)))])
+    before, theta = peer.state.params.clone(), peer.theta
+    result = peer.sync()
+    assert not result.applied and result.outcome is Outcome.LINK_LOST and result.attempts == 1
+    assert result.error.startswith("this node's averaging process died")
+    assert len(peer.transport.scripts) == 1  # the retry never ran
+    assert torch.equal(peer.state.params, before) and torch.equal(peer.theta, theta) and peer.state.epoch == 4
+
+
+def test_a_link_lost_before_or_during_a_download_ends_the_sync_without_averaging(monkeypatch):
+    peer = FakePeer()
+    peer.train()
+    holder(peer)
+    peer.transport.lost = part_died("p2p daemon")  # the daemon died between two syncs: nothing raises
+    result = peer.sync()
+    assert result.outcome is Outcome.LINK_LOST and "p2p daemon died" in result.error
+    assert not peer.transport.prepared and not peer.transport.sent
+    # a peer behind the swarm whose averager dies under the state's download, before any view of the sync
+    peer.transport.lost = None
+    peer.transport.peers.clear()
+    ahead = peer.serve_next_state(torch.full((8,), 0.01), contributors=["a"], tokens=100, holders=["a"])
+    monkeypatch.setattr(peer.transport, "download", lambda *_, **__: died()(peer.transport))
+    result = peer.sync()
+    assert result.outcome is Outcome.LINK_LOST and "averaging process died" in result.error
+    assert peer.hash() != ahead and not peer.transport.sent

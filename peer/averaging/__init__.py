@@ -1,6 +1,7 @@
 """What runs in the averager process: hivemind's DecentralizedAverager, made exact, robust and shareable.
 
 - ``averager.py``   ``SwarmAverager``: round keys, the consensus gate over the gathered contributions, the all-reduce
+- ``mortal.py``     the peer's waits on the averager's process, which end as soon as it is found dead
 - ``allreduce.py``  the exact butterfly all-reduce (bit-identical results or a clean failure): the sender's half
 - ``reducing.py``   its reducer's half: each sender's stream answered, a broken one resumed, a late or wrong one dropped
 - ``parts.py``      its parts: sized, encoded by our codecs, summed over every sender (robustly, idempotently)

@@ -11,7 +11,8 @@ What it adds to hivemind's averager:
 - the all-reduce is ``ExactAllReduceRunner`` (members end bit-identical or the round fails), and it
   averages the inner first moment too on alignment rounds;
 - every failure reaches the peer as one exception type per outcome (``failures.py``);
-- ``download_state`` fetches (G, m, metadata) from several donors at once (``sharing.py``).
+- ``download_state`` fetches (G, m, metadata) from several donors at once (``sharing.py``);
+- the peer's waits on it end as soon as its process is found dead (``mortal.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import ctypes
 import hashlib
 import logging
 import multiprocessing as mp
+import os
 from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -41,6 +43,7 @@ from peer.averaging.bans import Bans
 from peer.averaging.inuse import InUse
 from peer.averaging.leaders import RecordLeaders
 from peer.averaging.liveness import stop_waiting_for_the_gone
+from peer.averaging.mortal import Mortal
 from peer.averaging.pacing import CHUNK_BYTES, SMALL_BYTES, Pacer
 from peer.averaging.results import MINORITY, NO_MAJORITY, READY, RoundResults, result_key
 from peer.averaging.sharing import StateProvider, StateSharing
@@ -71,7 +74,7 @@ def leader_request_timeout(request_timeout: float, grace_seconds: float) -> floa
     return min(request_timeout, max(grace_seconds / 2, 0.1))
 
 
-class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
+class SwarmAverager(Mortal, StateSharing, RoundResults, DecentralizedAverager):
     """Averages ``delta`` (and ``moment`` on alignment rounds) with whichever peers share our state."""
 
     _rpc_handlers = _stub_type = None  # hivemind caches these per class: collect ours, rpc_download_slice too
@@ -105,6 +108,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         self._in_use = InUse()  # the peers we exchange streams with now (averager process)
         self._lingering: Dict[bytes, ExactAllReduceRunner] = {}  # finished all-reduces still answering resumes
         self.has_moment = moment is not None
+        self._host_pid = os.getpid()  # the peer's process, which waits on ours
         tensors = [delta] + ([moment] if moment is not None else [])
         super().__init__(
             tensors,
@@ -129,13 +133,6 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
         internals.meter_streams(self._count(0), self._count(1), pace=pacer and pacer.reserve, chunk=CHUNK_BYTES,
                                 small=SMALL_BYTES)
         super().run()
-
-    async def _shutdown(self, timeout: Optional[float]) -> None:
-        """hivemind's, for a p2p daemon that may have died (``SwarmDHT.link_lost``): its handlers went with it."""
-        try:
-            await super()._shutdown(timeout)
-        except (ConnectionError, OSError):  # the daemon is gone, and every group's streams with it
-            logger.debug("the averager stopped after its p2p daemon")
 
     def _count(self, index: int):
         """Count every byte this process writes to (0) or reads from (1) its p2p streams. This is what the process
@@ -175,7 +172,7 @@ class SwarmAverager(StateSharing, RoundResults, DecentralizedAverager):
                                    expected_group=expected_group, allreduce_timeout=allreduce_timeout,
                                    part_timeout=part_timeout, probe=list(probe), members=list(members),
                                    patience=self.patience if patience is None else patience, future=future)
-        future.result(timeout=30)
+        self._answer(future, timeout=30)
 
     async def _prepare_round(self, epoch: int, bits: str, phase: str, group: int, key: str, min_group: int,
                              expected_group: int, allreduce_timeout: float, part_timeout: float, probe: List[str],

@@ -133,7 +133,7 @@ class RoundResults:
         internals.call_in_averager(self, "_serve_alone", key=result_key(epoch, state_hash), gathered=gathered,
                                    taken=taken)
         try:
-            taken.result(timeout=TAKEN_SECONDS)
+            self._answer(taken, timeout=TAKEN_SECONDS)
         except concurrent.futures.TimeoutError:  # a busy averager: it still serves the step, once it gets to it
             logger.debug(f"the averager took {TAKEN_SECONDS}s and more to take our lone step's result in hand")
 
@@ -193,7 +193,7 @@ class RoundResults:
                                    numels=list(numels), timeout=timeout, part_timeout=part_timeout, wait=wait,
                                    future=future)
         try:
-            return future.result(timeout=timeout + 10)
+            return self._answer(future, timeout=timeout + 10)
         except concurrent.futures.TimeoutError:  # (not TimeoutError before Python 3.11)
             future.cancel()
             return dict(status=FAILED, error="the averager process did not answer")

@@ -117,7 +117,7 @@ class StateSharing:
         internals.call_in_averager(self, "_download_state", donors=list(donors), state_hash=state_hash, timeout=timeout,
                                    part_timeout=part_timeout, relayed=relayed, future=future)
         try:
-            return future.result(timeout=timeout + 10)
+            return self._answer(future, timeout=timeout + 10)
         except concurrent.futures.TimeoutError:  # the averager process is overloaded or stuck: a failed download
             logger.warning(f"the averager process did not finish a state download within {timeout + 10:.0f}s")
             future.cancel()

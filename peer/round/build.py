@@ -26,7 +26,7 @@ from diloco_compression.feedback import ErrorFeedback, roundtrip
 from dht.addresses import parse_maddrs
 from dht.joining import reachable
 from dht.manifest import RunManifest, run_namespace
-from dht.node import DHTConfig, dht_ready, discard_made_up_identity, part_died, signing_identity, start_dht
+from dht.node import DHTConfig, dht_ready, discard_made_up_identity, signing_identity, start_dht
 from dht.processes import stop_process
 from dht.reach import Reach
 from dht.validation import run_validators
@@ -99,11 +99,6 @@ class Parts:
 
     def close(self) -> None:
         self.closer.close()
-
-    def link_lost(self) -> Optional[str]:
-        """What to tell the user once our p2p daemon, DHT process or averager process has died, else None: the peer
-        would train alone, unheard (and so would the other peer of a swarm of two)."""
-        return self.dht.link_lost() if self.averager.is_alive() else part_died("averaging process")
 
 
 def build_parts(run_flags: Dict[str, Any], node: NodeConfig, sync: SyncConfig, net: DHTConfig,

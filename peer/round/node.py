@@ -85,7 +85,8 @@ class Peer:
         """Round after round until stopped. Without overlap, each round's sync runs between two inner phases;
         with ``--overlap`` it runs in the background during the next inner phase, and is joined (reported,
         checkpointed) at that phase's end, before the next sync starts. A peer whose link to the swarm died
-        (``Parts.link_lost``) leaves after its step as a stopped one does, then raises the one line that says so."""
+        (``SwarmTransport.link_lost``) leaves after its step as a stopped one does (its sync ends at once, unapplied),
+        then raises the one line that says so."""
         max_rounds, progress = self.node.max_rounds, self.progress
         batches = island_batches(self.parts.stream, self.run.batch_size, self.island)
         while not self._leaving() and not (max_rounds and progress.rounds + bool(self.inflight) >= max_rounds):
@@ -104,7 +105,7 @@ class Peer:
             self.clock.planned.set()  # no next round to plan
             self._finish(self.inflight)
             self.inflight = None
-        lost = self.parts.link_lost()
+        lost = self.parts.transport.link_lost()
         if lost:  # nobody hears us now: no leaving record, no hand-over; ``close`` checkpoints the work
             if self.stop_requested.is_set():  # (systemd stops the daemon with us: all is as asked)
                 return 0
@@ -116,7 +117,7 @@ class Peer:
         return 0
 
     def _leaving(self) -> bool:
-        return self.stop_requested.is_set() or self.parts.link_lost() is not None
+        return self.stop_requested.is_set() or self.parts.transport.link_lost() is not None
 
     def _inner_phase(self, batches):
         """The inner steps of one round, until its planned end; checkpoints mid-round if one is due."""

@@ -29,6 +29,7 @@ class Outcome(enum.Enum):
     AVERAGE_NOT_FINITE = "average_not_finite"  # the averaged pseudo-gradient is not finite
     NO_OTHER_GROUPS = "no_other_groups"  # our delegate met no other group's: contributing next round
     DELEGATE_LOST = "delegate_lost"  # our group's delegate brought no result: contributing next round
+    LINK_LOST = "link_lost"  # a helper process of this node died (its p2p daemon, DHT or averager): the peer leaves
 
 
 _TEXT = {
@@ -49,6 +50,7 @@ _TEXT = {
     Outcome.AVERAGE_NOT_FINITE: "the averaged pseudo-gradient is not finite; not applied",
     Outcome.NO_OTHER_GROUPS: "our group's delegate met no other group's; contributing next round",
     Outcome.DELEGATE_LOST: "our group's delegate brought no result ({detail}); contributing next round",
+    Outcome.LINK_LOST: "{detail}",  # the line the peer leaves with (``dht.processes.part_died``)
 }
 
 

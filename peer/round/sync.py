@@ -27,6 +27,7 @@ import torch
 from diloco_compression.feedback import ErrorFeedback
 
 from dht.errors import first_line
+from dht.processes import LinkLost
 from peer.averaging.pacing import socket_queue_hint
 from peer.config import RunConfig, SyncConfig
 from peer.hooks import MATCHMAKING, Hooks
@@ -155,12 +156,32 @@ class Synchronizer:
 
     def _sync(self, attempt: _Attempt, budget: float) -> SyncResult:
         result = SyncResult()
+        try:
+            self._decide_and_act(attempt, budget, result)
+        except LinkLost as e:  # a helper process of ours died: nothing we wait for will come, nobody hears us
+            result.outcome, result.error = Outcome.LINK_LOST, describe(Outcome.LINK_LOST, str(e))
+        if result.outcome is Outcome.GROUP_FINISHED_WITHOUT_US:
+            result.applied = True
+        result.rebased = result.rebased or result.outcome in REBASED
+        if not result.applied:
+            self.lineage.return_tokens(attempt.recovered)  # still carried: sent, with its tokens, at our next sync
+            # as a delegate without the round's result: our groupmates stop waiting (if they can still hear us)
+            if attempt.crossed is not None and result.outcome is not Outcome.LINK_LOST:
+                self.transport.give_up_result(*attempt.crossed)
+        return result
+
+    def _decide_and_act(self, attempt: _Attempt, budget: float, result: SyncResult) -> None:
+        """The loop of ``decide.py`` until it finishes or applies; it ends as soon as this node's link to the swarm is
+        lost (its p2p daemon, DHT process or averager died): nobody hears us then, and the peer leaves."""
         self._enter(budget)
         began = self.clock.monotonic()
         result.rebased = self.catchup.catch_up(timeout=max(budget / 3, 5.0)).adopted
         result.catch_up_seconds = self.clock.monotonic() - began
         facts = dict(phase=Phase.BEGIN, caught_up=result.rebased, dropped_resumed=self.lineage.dropped_resumed)
         while True:
+            lost = self.transport.link_lost()  # (a part may die between two calls, which then raise nothing)
+            if lost:
+                raise LinkLost(lost)
             view = self._view(facts, result.attempts, attempt.deadline)
             action = decide(view)
             self._record(action, attempt, result)
@@ -182,14 +203,6 @@ class Synchronizer:
                     result.allreduce_seconds = attempt.averaged.seconds
                 break
             facts = self._act(action, attempt, result, facts)
-        if result.outcome is Outcome.GROUP_FINISHED_WITHOUT_US:
-            result.applied = True
-        result.rebased = result.rebased or result.outcome in REBASED
-        if not result.applied:
-            self.lineage.return_tokens(attempt.recovered)  # still carried: sent, with its tokens, at our next sync
-            if attempt.crossed is not None:  # as a delegate without the round's result: our groupmates stop waiting
-                self.transport.give_up_result(*attempt.crossed)
-        return result
 
     def _enter(self, budget: float) -> None:
         """Say we sync (silent until the budget ends, yet alive) and ping who went silent: a healed partition

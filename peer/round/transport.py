@@ -18,8 +18,10 @@ import torch
 from hivemind.utils import get_dht_time
 
 from dht.node import reach_out
+from dht.processes import LinkLost, part_died
 from dht.records import PeerRecord, RecordPublisher, RecordReader
 from peer.averaging.averager import CROSS, GROUP, SwarmAverager
+from peer.averaging.mortal import AVERAGING_PROCESS
 from peer.averaging.results import GROUP_ONLY, MINORITY, NO_MAJORITY, READY
 from peer.swarm.failures import DelegateLost, MinorityGroup, NoGroup, NoMajority
 from peer.swarm.metadata import Averaged, Contribution, Delegation
@@ -101,6 +103,10 @@ class Transport(Protocol):
 
     def traffic(self) -> Tuple[int, int]:
         """(bytes sent, bytes received) on the transport so far."""
+
+    def link_lost(self) -> Optional[str]:
+        """What to tell the user once this node's link to the swarm has died (a helper process of it), else None.
+        A call that waits on a dead helper raises ``dht.processes.LinkLost``."""
 
     def stop(self) -> None:
         """Stop the record heartbeat."""
@@ -208,6 +214,10 @@ class SwarmTransport:
             try:
                 return control.result(timeout=max(min(ABANDON_POLL, deadline - time.monotonic()), 0.0))
             except concurrent.futures.TimeoutError:  # (not TimeoutError before Python 3.11: its poll)
+                lost = self.link_lost()
+                if lost:  # (a dead averager resolves nothing, and a dead daemon's step may wait out its timeouts)
+                    control.cancel()
+                    raise LinkLost(lost)
                 if time.monotonic() >= deadline:
                     control.cancel()
                     raise TimeoutError("the sync deadline passed") from None
@@ -217,6 +227,11 @@ class SwarmTransport:
 
     def traffic(self) -> Tuple[int, int]:
         return self.averager.traffic()
+
+    def link_lost(self) -> Optional[str]:
+        """The p2p daemon, the DHT's process or the averager's died: the peer would train alone, unheard (and so would
+        the other peer of a swarm of two)."""
+        return self.dht.link_lost() if self.averager.is_alive() else part_died(AVERAGING_PROCESS)
 
     def stop(self) -> None:
         self.publisher.stop()

@@ -83,6 +83,7 @@ class FakeTransport:
         self.results: Dict[Tuple[int, str], Tuple[Averaged, torch.Tensor]] = {}
         self.alone: Dict[Tuple[int, str], Tuple[Averaged, torch.Tensor]] = {}  # our lone steps, served
         self.replayed: List[Tuple[Tuple[str, ...], int, str]] = []  # each replay asked: donors, epoch, state hash
+        self.lost: Optional[str] = None  # what link_lost says: a helper process died
 
     def read_records(self, timeout: float) -> Optional[Dict[str, PeerRecord]]:
         if self.late:
@@ -151,6 +152,9 @@ class FakeTransport:
 
     def traffic(self) -> Tuple[int, int]:
         return 0, 0
+
+    def link_lost(self) -> Optional[str]:
+        return self.lost
 
     def stop(self) -> None:
         pass
