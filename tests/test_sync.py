@@ -1065,3 +1065,16 @@ def test_a_link_lost_before_or_during_a_download_ends_the_sync_without_averaging
     result = peer.sync()
     assert result.outcome is Outcome.LINK_LOST and "averaging process died" in result.error
     assert peer.hash() != ahead and not peer.transport.sent
+
+
+def test_a_lone_step_applied_before_the_averager_died_under_its_serving_stands(monkeypatch):
+    # the step is in the state already; only its serving, for a peer behind to replay, met the dead averager
+    peer = FakePeer()
+    delta = peer.train()
+    peer.transport.peers["b"] = record("b", 4, peer.hash(), 1000)
+    peer.silence("b")
+    expected = stepped(peer, delta)
+    monkeypatch.setattr(peer.transport, "serve_alone", lambda *_: died()(peer.transport))
+    result = peer.sync(tokens=100)
+    assert result.applied and result.outcome is Outcome.APPLIED and result.group == ("me",)
+    assert torch.equal(peer.state.params, expected[0]) and peer.state.epoch == 5

@@ -159,7 +159,8 @@ class Synchronizer:
         try:
             self._decide_and_act(attempt, budget, result)
         except LinkLost as e:  # a helper process of ours died: nothing we wait for will come, nobody hears us
-            result.outcome, result.error = Outcome.LINK_LOST, describe(Outcome.LINK_LOST, str(e))
+            if not result.applied:  # (a lone step stands, applied before its result could be served)
+                result.outcome, result.error = Outcome.LINK_LOST, describe(Outcome.LINK_LOST, str(e))
         if result.outcome is Outcome.GROUP_FINISHED_WITHOUT_US:
             result.applied = True
         result.rebased = result.rebased or result.outcome in REBASED
