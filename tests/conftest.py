@@ -1,4 +1,7 @@
-"""The suite leaves no sockets behind in /tmp.
+"""The suite runs its slow tests first, and leaves no sockets behind in /tmp.
+
+Slow tests first (in file order otherwise): the two workers then end the run on short tests, not one of them on a
+test of a minute or more while the other has nothing left to take.
 
 hivemind puts every p2p daemon's control socket and every client's listening socket in /tmp
 (``/tmp/hivemind-p2pd-*.sock``, ``/tmp/hivemind-p2pclient-*.sock``). A process the tests SIGKILL never unlinks
@@ -13,6 +16,10 @@ import socket
 import time
 
 SOCKETS = "/tmp/hivemind-*.sock"
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (stable: file order within each kind)
 
 
 def pytest_sessionstart(session):
