@@ -38,11 +38,8 @@ class Mortal:
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
         """hivemind's: the buffers, held. In the peer's process, ``LinkLost`` if the averager dies meanwhile."""
-        if os.getpid() != self._host_pid:
-            with self.lock_averaged_tensors:
-                yield internals.averaged_tensors(self)
-            return
-        with holding(self.lock_averaged_tensors, self, AVERAGING_PROCESS):
+        lock = self.lock_averaged_tensors
+        with holding(lock, self, AVERAGING_PROCESS) if os.getpid() == self._host_pid else lock:
             yield internals.averaged_tensors(self)
 
     async def _shutdown(self, timeout: Optional[float]) -> None:

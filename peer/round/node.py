@@ -84,9 +84,8 @@ class Peer:
     def run_rounds(self) -> int:
         """Round after round until stopped. Without overlap, each round's sync runs between two inner phases;
         with ``--overlap`` it runs in the background during the next inner phase, and is joined (reported,
-        checkpointed) at that phase's end, before the next sync starts. A peer whose link to the swarm died
-        (``SwarmTransport.link_lost``) leaves after its step as a stopped one does (its sync ends at once, unapplied),
-        then raises the one line that says so."""
+        checkpointed) at that phase's end, before the next sync starts. A peer whose link to the swarm died (its sync
+        ends at once: ``SwarmTransport.link_lost``) leaves after its step as a stopped one does, and raises its line."""
         max_rounds, progress = self.node.max_rounds, self.progress
         batches = island_batches(self.parts.stream, self.run.batch_size, self.island)
         while not self._leaving() and not (max_rounds and progress.rounds + bool(self.inflight) >= max_rounds):
