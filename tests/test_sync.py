@@ -1060,11 +1060,13 @@ def test_a_link_lost_before_or_during_a_download_ends_the_sync_without_averaging
     # a peer behind the swarm whose averager dies under the state's download, before any view of the sync
     peer.transport.lost = None
     peer.transport.peers.clear()
-    ahead = peer.serve_next_state(torch.full((8,), 0.01), contributors=["a"], tokens=100, holders=["a"])
-    monkeypatch.setattr(peer.transport, "download", lambda *_, **__: died()(peer.transport))
+    ours = peer.hash()
+    peer.serve_next_state(torch.full((8,), 0.01), contributors=["a"], tokens=100, holders=["a"])
+    asked = []
+    monkeypatch.setattr(peer.transport, "download", lambda *args, **_: asked.append(args) or died()(peer.transport))
     result = peer.sync()
     assert result.outcome is Outcome.LINK_LOST and "averaging process died" in result.error
-    assert peer.hash() != ahead and not peer.transport.sent
+    assert len(asked) == 1 and peer.hash() == ours and not peer.transport.sent  # asked once, then nothing more
 
 
 def test_a_lone_step_applied_before_the_averager_died_under_its_serving_stands(monkeypatch):
