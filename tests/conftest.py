@@ -1,4 +1,5 @@
-"""The suite runs its slow tests first, and leaves no sockets behind in /tmp.
+"""The suite runs its slow tests first, starts hivemind's processes as the product does, and leaves no sockets
+behind in /tmp.
 
 Slow tests first (in file order otherwise): the two workers then end the run on short tests, not one of them on a
 test of a minute or more while the other has nothing left to take.
@@ -7,6 +8,9 @@ hivemind puts every p2p daemon's control socket and every client's listening soc
 (``/tmp/hivemind-p2pd-*.sock``, ``/tmp/hivemind-p2pclient-*.sock``). A process the tests SIGKILL never unlinks
 them, nor does Python below 3.13 when a client closes its server, so each run left hundreds of files. At the end
 of the run, the controller removes those created during it that nothing listens on any more.
+
+The tests that start hivemind's DHTs and averagers in their own process fork them, as ``python -m peer`` does
+(``dht.processes.fork_children``): Python 3.14's default, forkserver, cannot pickle them.
 """
 
 import errno
@@ -15,7 +19,13 @@ import os
 import socket
 import time
 
+from dht.processes import fork_children
+
 SOCKETS = "/tmp/hivemind-*.sock"
+
+
+def pytest_configure(config):
+    fork_children()
 
 
 def pytest_collection_modifyitems(config, items):
