@@ -75,6 +75,7 @@ class SwarmDHT(hivemind.DHT):
     def __init__(self, *args, daemon_flags: Optional[dict] = None, identity_check: Optional[tuple] = None, **kwargs):
         self.daemon_flags, self.identity_check = daemon_flags or {}, identity_check
         self.daemon_gone = multiprocessing.Event()
+        self._answering: set = set()  # (in the DHT's process) the futures of the requests in flight
         super().__init__(*args, **kwargs)
 
     def shutdown(self) -> None:
@@ -102,19 +103,34 @@ class SwarmDHT(hivemind.DHT):
         The collector closes such a request wherever it runs, even while this thread sends another request's result
         under hivemind's lock on the results pipe (``MPFuture._update_lock``, not reentrant): setting the timeout
         from there froze the whole DHT process, and its peer with it (once on Python 3.12, at start). So the
-        event loop sets it, once the collection is over."""
+        event loop sets it, once the collection is over.
+
+        Until it is answered, a request's future is held here (``_answering``). The pipe that carries its answer is
+        the future's own connection, and a request collected with its future closed that connection too: the timeout
+        went into a closed pipe, and a caller that waits without a timeout (a peer asking for its addresses at
+        start) waited for good (``tests/test_dht.py``)."""
         loop = asyncio.get_running_loop()
+        self._answering.add(future)
         try:
-            future.set_result(await coro(self, self._node))
+            result = await coro(self, self._node)
         except GeneratorExit:
             try:
-                loop.call_soon_threadsafe(future.set_exception, TimeoutError("the DHT process dropped this request"))
+                loop.call_soon_threadsafe(self._answer, future, TimeoutError("the DHT process dropped this request"))
             except RuntimeError:  # the loop is closed: the process is stopping, and its caller with it
                 pass
             raise
         except BaseException as e:  # the caller raises it
             logger.debug(f"a DHT request failed: {e!r}")
-            future.set_exception(e)
+            self._answer(future, e)
+        else:
+            self._answer(future, result=result)
+
+    def _answer(self, future, error: Optional[BaseException] = None, result=None) -> None:
+        self._answering.discard(future)
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
 
     def run(self) -> None:
         init_child_process()

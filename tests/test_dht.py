@@ -366,10 +366,11 @@ def test_a_request_the_dht_process_drops_reads_as_a_timeout():
     async def never(dht, node):
         await asyncio.get_running_loop().create_future()  # nobody holds it: it never resolves
 
-    future = Recorded()
+    future, dht = Recorded(), types.SimpleNamespace(_node=None, _answering=set())  # (its process is this one)
+    dht._answer = functools.partial(SwarmDHT._answer, dht)
     loop = asyncio.new_event_loop()
     try:
-        task = loop.create_task(SwarmDHT._run_coroutine(types.SimpleNamespace(_node=None), never, future))
+        task = loop.create_task(SwarmDHT._run_coroutine(dht, never, future))
         loop.run_until_complete(asyncio.sleep(0))  # the request is now pending on a future nobody else holds
         collecting[0] = True
         del task
@@ -381,6 +382,28 @@ def test_a_request_the_dht_process_drops_reads_as_a_timeout():
     with pytest.raises(TimeoutError, match="dropped"):
         future.result(timeout=0)
     assert set_in_collection == [False]
+
+
+async def _pending_for_good(dht, node):
+    await asyncio.get_running_loop().create_future()  # nobody else holds it: it never resolves
+
+
+async def _collect(dht, node):
+    return gc.collect()
+
+
+def test_a_request_collected_in_a_real_dht_process_answers_its_caller_at_once(two_nodes):
+    """The same in a DHT's process: a request's answer goes through its future's own pipe, which the collection
+    closed when the future was collected with the request. The timeout went into the closed pipe, and the caller
+    waited for good: a peer asking for its addresses at start did (no timeout there). Its future is now held until
+    answered."""
+    dht = two_nodes[0]
+    request = dht.run_coroutine(_pending_for_good, return_future=True)
+    deadline = time.monotonic() + 30
+    while not request.done() and time.monotonic() < deadline:  # until a collection finds the request pending
+        dht.run_coroutine(_collect)
+    with pytest.raises(TimeoutError, match="dropped"):
+        request.result(timeout=0)
 
 
 STALL = 1.0  # seconds the test's event loop is held while the other end answers: a process stopped for a moment
