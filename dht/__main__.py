@@ -20,7 +20,7 @@ from dht.addresses import private_only_hint
 from dht.cli import Parser, add_arguments, from_args
 from dht.errors import UserError
 from dht.node import DHTConfig, start_dht, visible_maddrs
-from dht.processes import stop_process
+from dht.processes import fork_children, stop_process
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[DHTConfig, Optional[str]]:
@@ -45,6 +45,7 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    fork_children()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

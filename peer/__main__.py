@@ -68,6 +68,7 @@ def setup_logging(verbose: bool) -> None:
 def main(argv: Optional[Sequence[str]] = None, hooks=None) -> int:
     """``hooks``: a test harness's (``peer/hooks.py``); a user's peer runs with the no-op ones."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    fork_children()  # export and status start a DHT and an averager too
     if argv and argv[0] in COMMANDS:
         command = importlib.import_module(COMMANDS[argv[0]])
         return command.main(argv[1:])
@@ -76,7 +77,6 @@ def main(argv: Optional[Sequence[str]] = None, hooks=None) -> int:
     except (UserError, ValueError) as e:
         return fail(str(e))
     setup_logging(node.verbose)
-    fork_children()
     from peer.hooks import Hooks  # these import torch and hivemind: after the flags are known to be fine
     from peer.round.build import build_parts
     from peer.round.node import Peer

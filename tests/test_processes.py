@@ -1,21 +1,54 @@
-"""Waiting on a helper process (``dht/processes.py``): a wait on one that died ends at once, naming it.
+"""Helper processes (``dht/processes.py``): every program forks them, and a wait on one that died ends at once,
+naming it.
 
 Real forked processes, SIGKILLed as the kernel's OOM killer would: a peer's averager that died that way held the sync
 waiting on it for a minute, and one that died holding the buffers' lock would have held it for good.
 """
 
 import concurrent.futures
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
+import types
 
 import pytest
 
+import dht.__main__
+import peer.__main__
+from dht.errors import UserError
 from dht.processes import DEATH_POLL, LinkLost, answer, holding
 
 fork = mp.get_context("fork")
+
+
+def test_every_program_forks_its_helpers_where_another_start_method_is_the_default(monkeypatch):
+    """Python 3.14 makes forkserver the default on Linux, which must pickle a helper, and hivemind's cannot be: the
+    peer, its commands (``export`` starts an averager) and the bootstrap node each set fork before they start one."""
+    seen = {}
+
+    def record(program):
+        def look(*_):
+            seen[program] = mp.get_start_method()
+            raise UserError("stop here")
+        return look
+
+    monkeypatch.setitem(sys.modules, "peer.use.export", types.SimpleNamespace(main=record("export")))
+    monkeypatch.setattr(peer.__main__, "parse_args", record("peer"))
+    monkeypatch.setattr(dht.__main__, "parse_args", record("dht"))
+    runs = {"export": lambda: peer.__main__.main(["export"]), "peer": lambda: peer.__main__.main([]),
+            "dht": lambda: dht.__main__.main([])}
+    try:
+        for program, run in runs.items():
+            mp.set_start_method("forkserver", force=True)
+            with pytest.raises(UserError) if program == "export" else contextlib.nullcontext():
+                run()
+    finally:
+        mp.set_start_method("fork", force=True)  # the suite's (tests/conftest.py)
+    assert seen == {"export": "fork", "peer": "fork", "dht": "fork"}
 
 
 def sleeper():
