@@ -107,7 +107,7 @@ def test_a_bootstrap_node_whose_p2p_daemon_or_dht_process_dies_says_so_and_exits
         assert len(daemons) == 1, daemons
         # (the daemon's parent is the DHT's process, and the daemon dies with it)
         os.kill(daemons[0] if victim == "p2p daemon" else parent_pid(daemons[0]), signal.SIGKILL)
-        assert node.wait(30) == 2
+        assert node.wait(30) == 2, node.stderr[-3000:]
         result = subprocess.CompletedProcess(node.args, 2, node.stdout, node.stderr)
         assert_one_line_error(result, f"this node's {victim} died", "start it again")
     finally:
