@@ -23,8 +23,8 @@ def _the_standard_library_package():
     sys.path ahead of the standard library: ``python -m peer`` or ``python -m pytest`` in the repository, whose folder
     comes first. There it shadowed 3.14's package, and ``import torch`` failed (gzip: "No module named
     'compression._common'"). So under that name this module hands over to the other one."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    elsewhere = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
+    here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    elsewhere = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]
     return importlib.machinery.PathFinder.find_spec(__name__, elsewhere)
 
 

@@ -25,9 +25,9 @@ retrieved", the task named in the message.)
 
 No stream reached us, so nothing is lost; the peer that opened it sees its stream reset and retries.
 
-The DHT's requests that wait on such an abandoned stream are collected the same way, in the DHT's process, and asyncio
-names the task that ran the request (``SwarmDHT._run_coroutine``, ``dht/node.py``). Its caller hears a timeout, which
-it handles as a lookup that came late.
+A DHT request that waits on a future nobody else holds is collected the same way, in the DHT's process, and asyncio
+names the task that ran it (``SwarmDHT._run_coroutine``, ``dht/node.py``). Its caller hears a timeout, which it
+handles as a lookup that came late.
 
 So a peer drops exactly these four records unless it runs ``--verbose``; every other asyncio error still shows.
 """
