@@ -68,7 +68,7 @@ def setup_logging(verbose: bool) -> None:
 def main(argv: Optional[Sequence[str]] = None, hooks=None) -> int:
     """``hooks``: a test harness's (``peer/hooks.py``); a user's peer runs with the no-op ones."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    fork_children()  # export and status start a DHT and an averager too
+    fork_children()  # the commands start hivemind's processes too (status a DHT; export a DHT and an averager)
     if argv and argv[0] in COMMANDS:
         command = importlib.import_module(COMMANDS[argv[0]])
         return command.main(argv[1:])
