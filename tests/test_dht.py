@@ -242,24 +242,24 @@ def test_records_are_signed_and_a_forged_or_malformed_one_is_refused(two_nodes):
     first, second = two_nodes
     me = signing_peer_id()
     genuine = PeerRecord(me, 4, "h4", 40, "m")
-    assert publish_record(first, "run-f", genuine, get_dht_time() + 60)
+    assert publish_record(first, "run-r", genuine, get_dht_time() + 60)
     forger_key = RSASignatureValidator(RSAPrivateKey())
     forger = start_dht(DHTConfig(host_maddrs=(LOOPBACK,),
                                  initial_peers=tuple(str(m) for m in first.get_visible_maddrs())),
-                       [forger_key, *run_validators("run-f")[1:]])
+                       [forger_key, *run_validators("run-r")[1:]])
     try:
         forged = dict(genuine.__dict__, epoch=99, state_hash="evil", tokens_total=10**9, updated_at=get_dht_time())
-        assert not forger.store(peers_key("run-f"), forged, get_dht_time() + 120, subkey=record_subkey(me))
+        assert not forger.store(peers_key("run-r"), forged, get_dht_time() + 120, subkey=record_subkey(me))
         # signed by the forger, under its own key, in our name (a later, better-looking record): stored, ignored
         impostor = me.encode() + forger_key.local_public_key
-        assert forger.store(peers_key("run-f"), forged, get_dht_time() + 120, subkey=impostor)
-        record = (fetch_records(second, "run-f") or {}).get(me)
+        assert forger.store(peers_key("run-r"), forged, get_dht_time() + 120, subkey=impostor)
+        record = (fetch_records(second, "run-r") or {}).get(me)
         assert record is not None and (record.epoch, record.state_hash) == (4, "h4"), record
         # a value that breaks the schema is refused even under the writer's own subkey
-        checked = start_dht(DHTConfig(host_maddrs=(LOOPBACK,)), run_validators("run-f"))
+        checked = start_dht(DHTConfig(host_maddrs=(LOOPBACK,)), run_validators("run-r"))
         try:
             bad = dict(genuine.__dict__, epoch="four")
-            assert not checked.store(peers_key("run-f"), bad, get_dht_time() + 60, subkey=record_subkey(me))
+            assert not checked.store(peers_key("run-r"), bad, get_dht_time() + 60, subkey=record_subkey(me))
         finally:
             checked.shutdown()
     finally:
@@ -308,15 +308,15 @@ def test_a_strangers_manifest_does_not_replace_the_run_and_run_key_pins_the_crea
     from dht.manifest import own_run_key
 
     first, second = two_nodes
-    real, _ = join_or_create(first, RunManifest("run-h", {"model": "tiny"}))
-    publish_record(first, "run-h", PeerRecord(signing_peer_id(), 1, "h", 10, real.hash), get_dht_time() + 60)
-    fake = RunManifest("run-h", {"model": "1b"}).signed(RSAPrivateKey())
+    real, _ = join_or_create(first, RunManifest("run-q", {"model": "tiny"}))
+    publish_record(first, "run-q", PeerRecord(signing_peer_id(), 1, "h", 10, real.hash), get_dht_time() + 60)
+    fake = RunManifest("run-q", {"model": "1b"}).signed(RSAPrivateKey())
     assert fake.verified() and publish_manifest(second, fake)
-    assert fetch_manifest(second, "run-h") == real  # the manifest a live peer trains with
-    assert fetch_manifest(second, "run-h", run_key=fake.creator) == fake
-    assert fetch_manifest(second, "run-h", run_key=own_run_key()) == real
+    assert fetch_manifest(second, "run-q") == real  # the manifest a live peer trains with
+    assert fetch_manifest(second, "run-q", run_key=fake.creator) == fake
+    assert fetch_manifest(second, "run-q", run_key=own_run_key()) == real
     forged = dataclasses.replace(fake, settings={"model": "small"})  # contents changed after signing
-    assert RunManifest.from_record("run-h", forged.to_record()) is None
+    assert RunManifest.from_record("run-q", forged.to_record()) is None
     with pytest.raises(UserError, match="has no manifest signed by the --run-key you gave"):
         join_or_create(second, RunManifest("run-i", {}), run_key=fake.creator)
 
