@@ -350,6 +350,10 @@ def test_the_addresses_a_reachability_check_dials_are_direct_and_loopback_only_o
     assert dialable([f"/ip4/127.0.0.1/tcp/31337{peer}"]) == ["/ip4/127.0.0.1/tcp/31337"]
 
 
+async def _pending_for_good(dht, node):
+    await asyncio.get_running_loop().create_future()  # nobody else holds it: it never resolves
+
+
 def test_a_request_the_dht_process_drops_reads_as_a_timeout():
     """hivemind keeps no reference to a request's task: garbage-collected while pending, its coroutine is closed,
     and the caller got GeneratorExit (a starting peer exited on one). It gets a TimeoutError, which callers
@@ -363,14 +367,11 @@ def test_a_request_the_dht_process_drops_reads_as_a_timeout():
             set_in_collection.append(collecting[0])
             super().set_exception(exception)
 
-    async def never(dht, node):
-        await asyncio.get_running_loop().create_future()  # nobody holds it: it never resolves
-
     future, dht = Recorded(), types.SimpleNamespace(_node=None, _answering=set())  # (its process is this one)
     dht._answer = functools.partial(SwarmDHT._answer, dht)
     loop = asyncio.new_event_loop()
     try:
-        task = loop.create_task(SwarmDHT._run_coroutine(dht, never, future))
+        task = loop.create_task(SwarmDHT._run_coroutine(dht, _pending_for_good, future))
         loop.run_until_complete(asyncio.sleep(0))  # the request is now pending on a future nobody else holds
         collecting[0] = True
         del task
@@ -382,10 +383,6 @@ def test_a_request_the_dht_process_drops_reads_as_a_timeout():
     with pytest.raises(TimeoutError, match="dropped"):
         future.result(timeout=0)
     assert set_in_collection == [False]
-
-
-async def _pending_for_good(dht, node):
-    await asyncio.get_running_loop().create_future()  # nobody else holds it: it never resolves
 
 
 async def _collect(dht, node):

@@ -240,7 +240,7 @@ def test_split_two_two_heals_to_one_state(tmp_path):
     Rounds here are 50 steps (about 10 s), not the 5 of the other tests: after a heal, the halves' first pings
     went through 0.3-8 s later in 8 runs, on connections that outlived the cut and wait out TCP's retransmission
     backoff (docs/design.md, "a ping that outlives the heartbeat"), which would be many 1-second rounds but is a
-    fraction of a real round (minutes). Rounds of 25 steps counted 3 rounds to one state in 1 of 20 runs here and
+    fraction of a real round (minutes). Rounds of 25 steps counted 3 rounds to one state in 1 of 24 runs here and
     once in CI."""
     usable, reason = netns.available()
     if not usable:
