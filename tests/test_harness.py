@@ -1,4 +1,5 @@
-"""The test harness's own cleanup: a process it reaps leaves nothing behind and nothing in its stderr."""
+"""The test harness's own: a process it reaps leaves nothing behind and nothing in its stderr, and one that does not
+exit in time is reported with where it waits."""
 
 import os
 import sys
@@ -39,3 +40,13 @@ def test_a_reaped_process_temp_dir_outlives_its_shared_memory_manager(tmp_path):
     wait_until(lambda: all(gone(pid) for pid in managers), 30, "torch_shm_manager to exit")
     assert not os.path.exists(proc.tmp)
     assert "terminate called" not in proc.stderr, proc.stderr
+
+
+def test_a_process_that_does_not_exit_in_time_is_reported_with_where_its_threads_wait(tmp_path):
+    """A hang in CI is read from the failure alone: which function of the process waited, not only its stderr."""
+    stuck = "import threading\ndef stuck_here():\n    threading.Event().wait()\nstuck_here()"
+    proc = Proc([sys.executable, "-c", stuck], tmp_path, "stuck")
+    with pytest.raises(AssertionError, match="(?s)stuck did not exit within 1s.*line 3 in stuck_here"):
+        proc.wait(1)
+    assert not proc.alive()
+    proc.kill_group()  # (its temp dir)

@@ -65,7 +65,8 @@ class Proc:
         # a temp dir of its own, removed when it is killed: a SIGKILLed process runs no exit handler, and each left
         # multiprocessing's pymp-* directory in /tmp (826 of them after a few days of suites and benchmarks)
         self.tmp = tempfile.mkdtemp(prefix="proc-")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=self.tmp)
+        # (faulthandler: a process that will not exit is made to say where its threads wait, ``wait``)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", TMPDIR=self.tmp)
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.popen = subprocess.Popen(self.args, stdout=out, stderr=err, cwd=ROOT, env=env, start_new_session=True)
 
@@ -86,7 +87,15 @@ class Proc:
             self.remove_tmp()
             return code
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{self.name} did not exit within {timeout:.0f}s; stderr:\n{self.stderr[-3000:]}")
+            raise AssertionError(f"{self.name} did not exit within {timeout:.0f}s; its stderr, ending with where each "
+                                 f"of its threads waited:\n{self.stacks()[-6000:]}") from None
+
+    def stacks(self) -> str:
+        """Its stderr, after faulthandler wrote there where each thread of the process is (SIGABRT: it dies of it)."""
+        self.signal(signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
+        return self.stderr
 
     def signal(self, sig: int) -> None:
         if self.alive():
