@@ -36,8 +36,10 @@ def _standard_compression(tmp_path):
 
 
 def test_pyproject_lists_every_package_folder():
-    folders = {".".join(p.parent.relative_to(ROOT).parts) for top in ("peer", "dht", "compression")
-               for p in (ROOT / top).rglob("__init__.py")}
+    """Every folder, code or data (the bundled --config files): setuptools takes any folder for a package, and one
+    that holds package data unlisted "would be ignored" (its warning)."""
+    folders = {".".join(d.relative_to(ROOT).parts) for top in ("peer", "dht", "compression")
+               for d in (ROOT / top, *(ROOT / top).rglob("*")) if d.is_dir() and d.name != "__pycache__"}
     listed = {name.replace("diloco_compression", "compression", 1) for name in _listed_packages()}
     assert listed == folders
 
