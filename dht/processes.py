@@ -1,7 +1,8 @@
 """The swarm's helper processes: hivemind's DHT and averager, forked, and the p2p daemons they start, all of them
 gone when the peer is, however it ends.
 
-- ``fork_children``: the start method hivemind is built on, set once at a program's start;
+- ``fork_children``: the start method hivemind is built on, set once at a program's start (and a quiet end to a
+  handover that a dying helper broke);
 - ``init_child_process``: first thing in every forked helper: die with the parent, and leave SIGTERM to it;
 - ``stop_process``: shut a helper down, and SIGKILL it should it outlive that;
 - ``spawn_daemon_detached``: the p2p daemon in its own process group (a terminal's Ctrl+C is the peer's to handle),
@@ -16,11 +17,18 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import logging
 import multiprocessing
 import os
 import signal
+import sys
 import time
+import traceback
 from typing import Any, Iterator
+
+from dht.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 DEATH_POLL = 0.5  # seconds between looks at whether the helper we wait on is alive
 
@@ -28,9 +36,28 @@ DEATH_POLL = 0.5  # seconds between looks at whether the helper we wait on is al
 def fork_children() -> None:
     """Start hivemind's processes (the DHT, the averager) by fork, the start method hivemind is built on: a child
     inherits its parent's objects (closures, shared tensors, the running DHT), which forkserver, Python 3.14's
-    default on Linux, and spawn would have to pickle, and cannot. Call it once, at a program's start."""
+    default on Linux, and spawn would have to pickle, and cannot. Call it once, at a program's start.
+
+    A helper killed while it takes a pipe from us (multiprocessing's resource sharer hands it over a socket, from a
+    thread of ours) broke the handover, and the sharer printed the ConnectionResetError's traceback above the one
+    line that says the helper died (``python -m dht``, 2 kills in 80); it is logged at debug level instead."""
     if "fork" in multiprocessing.get_all_start_methods():
         multiprocessing.set_start_method("fork", force=True)
+    if not getattr(sys.excepthook, "quiet_handovers", False):
+        sys.excepthook = _quiet_handovers(sys.excepthook)
+
+
+def _quiet_handovers(excepthook):
+    def quiet(kind, error, trace) -> None:
+        sharer = os.path.join("multiprocessing", "resource_sharer.py")
+        if issubclass(kind, (ConnectionError, EOFError)) and any(
+                frame.f_code.co_filename.endswith(sharer) for frame, _ in traceback.walk_tb(trace)):
+            logger.debug(f"a helper process left while it took a pipe from us: {error!r}")
+            return
+        excepthook(kind, error, trace)
+
+    quiet.quiet_handovers = True
+    return quiet
 
 
 def init_child_process() -> None:
@@ -96,9 +123,10 @@ def part_died(part: str) -> str:
             f"start it again (a peer with --checkpoint-dir resumes from its last round)")
 
 
-class LinkLost(RuntimeError):
+class LinkLost(UserError):
     """A helper process of this node died (its p2p daemon, its DHT's or averager's process), and with it the node's
-    link to the swarm: what we wait for will never come. Its text is the user's line (``part_died``)."""
+    link to the swarm: what we wait for will never come. Its text is the user's line (``part_died``), which every
+    command prints as it prints any ``UserError``."""
 
 
 def check_alive(helper, part: str) -> None:

@@ -24,6 +24,7 @@ from dht import internals
 from dht.errors import UserError
 from dht.manifest import RunManifest, fetch_manifest, join_or_create, manifest_key, publish_manifest
 from dht.node import LOOPBACK, DHTConfig, SwarmDHT, reach_out, start_dht
+from dht.processes import LinkLost
 from dht.records import PeerRecord, RecordPublisher, RecordReader, fetch_records, publish_record
 from dht.validation import signing_peer_id
 from tests.harness.swarm import ROOT, wait_until
@@ -352,6 +353,38 @@ def test_the_addresses_a_reachability_check_dials_are_direct_and_loopback_only_o
 
 async def _pending_for_good(dht, node):
     await asyncio.get_running_loop().create_future()  # nobody else holds it: it never resolves
+
+
+def _in_a_thread(call) -> concurrent.futures.Future:
+    """``call()`` in a daemon thread: one that waits for good does not hold the test's process at its exit."""
+    future = concurrent.futures.Future()
+
+    def run():
+        try:
+            future.set_result(call())
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+def test_a_call_that_waits_on_a_dht_process_that_died_names_it_at_once():
+    """hivemind's calls that wait for the DHT process's answer (``get``, ``store``, ``run_coroutine``, and through it
+    ``peer_id`` and ``get_visible_maddrs``) waited for good on a process that had died: ``python -m dht``, its DHT
+    process killed just as it printed its addresses, hung asking its peer id (2 starts in 80 on Python 3.14)."""
+    node = start_dht(DHTConfig(host_maddrs=(LOOPBACK,)))
+    try:
+        os.kill(node.pid, signal.SIGKILL)
+        node.join(10)
+        calls = [lambda: node.get("some-key", latest=True), lambda: node.store("k", 1, get_dht_time() + 9),
+                 lambda: node.get_visible_maddrs(latest=True)]
+        for call in calls:
+            with pytest.raises(LinkLost, match="this node's DHT process died"):
+                _in_a_thread(call).result(timeout=10)  # (hivemind's: a concurrent.futures.TimeoutError here)
+        assert isinstance(LinkLost("x"), UserError)  # each command prints it as one line
+    finally:
+        node.shutdown()
 
 
 def test_a_request_the_dht_process_drops_reads_as_a_timeout():

@@ -10,6 +10,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -21,6 +22,7 @@ import dht.__main__
 import peer.__main__
 from dht.errors import UserError
 from dht.processes import DEATH_POLL, LinkLost, answer, holding
+from tests.harness.swarm import ROOT
 
 fork = mp.get_context("fork")
 
@@ -98,3 +100,31 @@ def test_a_lock_held_by_a_helper_that_died_holding_it_fails_the_wait_naming_it()
     finally:
         helper.kill()
         helper.join()
+
+
+# a helper that dies in the middle of taking a pipe from this process (multiprocessing's resource sharer hands it over
+# a socket, from a thread of ours), then a whole handover after it, so that the broken one has been served
+BROKEN_HANDOVER = """
+import os, socket, struct, sys
+from multiprocessing import resource_sharer
+if sys.argv[1] == "program":
+    from dht.processes import fork_children
+    fork_children()
+r, w = os.pipe()
+resource_sharer.DupFd(r)
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(resource_sharer._resource_sharer._address)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+os.close(resource_sharer.DupFd(w).detach())
+1 / 0
+"""
+
+
+@pytest.mark.parametrize("started_as", ["program", "bare"])
+def test_a_helper_that_dies_taking_a_pipe_from_us_prints_no_traceback(started_as):
+    """``python -m dht`` printed a ConnectionResetError's traceback from multiprocessing's resource sharer above its
+    line that said its DHT process died (2 kills in 80). Our programs' other errors still reach the hook."""
+    result = subprocess.run([sys.executable, "-c", BROKEN_HANDOVER, started_as], capture_output=True, text=True,
+                            timeout=60, cwd=ROOT)
+    assert "ZeroDivisionError" in result.stderr, result.stderr
+    assert ("resource_sharer" in result.stderr) == (started_as == "bare"), result.stderr
