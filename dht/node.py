@@ -103,16 +103,20 @@ class SwarmDHT(hivemind.DHT):
     def store(self, *args, return_future: bool = False, **kwargs):
         return self._answered(super().store(*args, return_future=True, **kwargs), return_future)
 
-    def _answered(self, future, return_future: bool):
+    def wait_until_ready(self, timeout: Optional[float] = None) -> None:
+        self._answered(self._ready, False, timeout)
+
+    def _answered(self, future, return_future: bool, timeout: Optional[float] = None):
         """hivemind's calls (and ``peer_id``, ``get_visible_maddrs``, through ``run_coroutine``) that wait for the DHT
-        process's answer wait for good once it has died: ``python -m dht`` hung asking its peer id of a DHT process
-        killed a moment before (2 starts in 80). In the process that started the node, such a wait ends in
-        ``LinkLost`` as soon as the process is found dead. (The averager's process calls them too: it can only wait.)"""
+        process's answer, and its wait for the process to start, wait for good once it has died: ``python -m dht``
+        hung asking its peer id of a DHT process killed a moment before (2 starts in 80). In the process that
+        started the node, such a wait ends in ``LinkLost`` as soon as the process is found dead. (The averager's
+        process calls them too: it can only wait.)"""
         if return_future:
             return future
         if os.getpid() != self._parent_pid:
-            return future.result()
-        return answer(future, self, "DHT process", timeout=float("inf"))
+            return future.result(timeout)
+        return answer(future, self, "DHT process", float("inf") if timeout is None else timeout)
 
     async def _run_coroutine(self, coro, future) -> None:
         """Run one request in the DHT's process, as hivemind does, except that a request lost there reads as a

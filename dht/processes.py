@@ -138,13 +138,17 @@ def check_alive(helper, part: str) -> None:
 def answer(future: concurrent.futures.Future, helper, part: str, timeout: float) -> Any:
     """The result of ``future``, which only ``helper`` can resolve: ``LinkLost`` as soon as the helper is found dead
     (a SIGKILLed averager held its caller until each call's timeout: a minute, twice over), and
-    ``concurrent.futures.TimeoutError`` after ``timeout`` seconds."""
+    ``concurrent.futures.TimeoutError`` after ``timeout`` seconds. A helper that answered and then exited (a DHT
+    that could not start says why, and ends) is given a moment for its answer to come through."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             return future.result(timeout=max(min(DEATH_POLL, deadline - time.monotonic()), 0.0))
         except concurrent.futures.TimeoutError:  # (not TimeoutError before Python 3.11)
-            check_alive(helper, part)
+            if not helper.is_alive():
+                with contextlib.suppress(concurrent.futures.TimeoutError):
+                    return future.result(timeout=DEATH_POLL)
+                raise LinkLost(part_died(part)) from None
             if time.monotonic() >= deadline:
                 raise
 

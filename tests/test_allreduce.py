@@ -16,11 +16,13 @@ from hivemind.utils import get_dht_time
 
 from dht import internals
 from dht.node import LOOPBACK, DHTConfig, start_dht
+from dht.processes import LinkLost
 from peer.averaging.allreduce import ExactAllReduceRunner
 from peer.averaging.averager import SwarmAverager
 from peer.hooks import REDUCE, Hooks
 from peer.outer.state import state_hash
 from peer.swarm.failures import GroupLostMember, NoGroup
+from tests.harness.swarm import in_a_thread
 
 pytestmark = pytest.mark.slow
 SIZE = 200_003
@@ -68,7 +70,7 @@ def shared_state(epoch=7):
 
 
 def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None, clip_factor=0.0, ban_after=0,
-                   runners=(ExactAllReduceRunner,) * 3, grace=2.0):
+                   runners=(ExactAllReduceRunner,) * 3, grace=2.0, start=True):
     averagers = []
     for dht, hook, runner in zip(dhts, hooks, runners):
         averager = SwarmAverager(
@@ -78,7 +80,8 @@ def make_averagers(dhts, prefix, codec, hooks=(None, None, None), state=None, cl
             clip_factor=clip_factor, ban_after=ban_after,
         )
         averager.runner_type = runner  # the averager process, forked next, runs its all-reduces with it
-        averager.run_in_background(await_ready=True)
+        if start:
+            averager.run_in_background(await_ready=True)
         averagers.append(averager)
     return averagers
 
@@ -444,6 +447,15 @@ def test_a_follower_waits_for_a_leader_whose_window_ends_after_its_own(dhts):
     finally:
         for averager in averagers:
             averager.shutdown()
+
+
+def test_a_wait_for_an_averager_process_that_is_gone_names_it(dhts):
+    """hivemind's wait for its averager process to start waited for good on one that died first (out of memory as
+    it took its buffers, say), and the peer with it. One never started stands for it (``tests/test_dht.py`` says
+    why a process is not SIGKILLed for this)."""
+    averager, = make_averagers(dhts[:1], "never_started", "fp16", start=False)
+    with pytest.raises(LinkLost, match="this node's averaging process died"):
+        in_a_thread(averager.wait_until_ready).result(timeout=10)  # (hivemind's: a TimeoutError here)
 
 
 def test_a_member_killed_mid_allreduce_fails_the_round_for_everyone(dhts):

@@ -27,7 +27,7 @@ from dht.node import LOOPBACK, DHTConfig, SwarmDHT, reach_out, start_dht
 from dht.processes import LinkLost
 from dht.records import PeerRecord, RecordPublisher, RecordReader, fetch_records, publish_record
 from dht.validation import signing_peer_id
-from tests.harness.swarm import ROOT, wait_until
+from tests.harness.swarm import ROOT, in_a_thread, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -355,33 +355,20 @@ async def _pending_for_good(dht, node):
     await asyncio.get_running_loop().create_future()  # nobody else holds it: it never resolves
 
 
-def _in_a_thread(call) -> concurrent.futures.Future:
-    """``call()`` in a daemon thread: one that waits for good does not hold the test's process at its exit."""
-    future = concurrent.futures.Future()
-
-    def run():
-        try:
-            future.set_result(call())
-        except BaseException as e:
-            future.set_exception(e)
-
-    threading.Thread(target=run, daemon=True).start()
-    return future
-
-
-def test_a_call_that_waits_on_a_dht_process_that_died_names_it_at_once():
+def test_a_call_that_waits_on_a_dht_process_that_is_gone_names_it_at_once():
     """hivemind's calls that wait for the DHT process's answer (``get``, ``store``, ``run_coroutine``, and through it
-    ``peer_id`` and ``get_visible_maddrs``) waited for good on a process that had died: ``python -m dht``, its DHT
-    process killed just as it printed its addresses, hung asking its peer id (2 starts in 80 on Python 3.14)."""
-    node = start_dht(DHTConfig(host_maddrs=(LOOPBACK,)))
+    ``peer_id`` and ``get_visible_maddrs``), and its wait for the process to start, waited for good on a process
+    that had died: ``python -m dht``, its DHT process killed just as it printed its addresses, hung asking its peer
+    id (2 starts in 80 on Python 3.14). A node whose process never started stands for one that died: a DHT process
+    SIGKILLed here may hold hivemind's process-wide lock on its results pipe (``MPFuture._update_lock``) for good,
+    and every other DHT process of the test run that answers a request waits on it (the module's two nodes did)."""
+    node = SwarmDHT(start=False)
     try:
-        os.kill(node.pid, signal.SIGKILL)
-        node.join(10)
         calls = [lambda: node.get("some-key", latest=True), lambda: node.store("k", 1, get_dht_time() + 9),
-                 lambda: node.get_visible_maddrs(latest=True)]
+                 lambda: node.get_visible_maddrs(latest=True), lambda: node.peer_id, node.wait_until_ready]
         for call in calls:
             with pytest.raises(LinkLost, match="this node's DHT process died"):
-                _in_a_thread(call).result(timeout=10)  # (hivemind's: a concurrent.futures.TimeoutError here)
+                in_a_thread(call).result(timeout=10)  # (hivemind's: a concurrent.futures.TimeoutError here)
         assert isinstance(LinkLost("x"), UserError)  # each command prints it as one line
     finally:
         node.shutdown()

@@ -35,6 +35,10 @@ class Mortal:
         concurrent.futures' TimeoutError after ``timeout`` seconds."""
         return answer(future, self, AVERAGING_PROCESS, timeout)
 
+    def wait_until_ready(self, timeout: Optional[float] = None) -> None:
+        """hivemind's, which waited for good on an averager that died as it started (out of memory, say)."""
+        self._answer(self._ready, float("inf") if timeout is None else timeout)
+
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
         """hivemind's: the buffers, held. In the peer's process, ``LinkLost`` if the averager dies meanwhile."""

@@ -6,6 +6,7 @@ DHT, p2p daemon) with one killpg, and ``Swarm.close`` reaps everything a test st
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import glob
 import json
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
@@ -47,6 +49,21 @@ def wait_until(predicate: Callable[[], Optional[T]], timeout: float, what: str, 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
+
+
+def in_a_thread(call: Callable[[], T]) -> concurrent.futures.Future:
+    """``call()`` in a daemon thread, its outcome a future: a call that waits for good holds neither the test nor its
+    process's exit."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
 
 
 def read_metrics(path: Path) -> List[dict]:
