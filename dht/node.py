@@ -116,7 +116,7 @@ class SwarmDHT(hivemind.DHT):
             return future
         if os.getpid() != self._parent_pid:
             return future.result(timeout)
-        return answer(future, self, "DHT process", float("inf") if timeout is None else timeout)
+        return answer(future, self, "DHT process", timeout)
 
     async def _run_coroutine(self, coro, future) -> None:
         """Run one request in the DHT's process, as hivemind does, except that a request lost there reads as a

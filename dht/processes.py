@@ -18,13 +18,14 @@ import concurrent.futures
 import contextlib
 import ctypes
 import logging
+import math
 import multiprocessing
 import os
 import signal
 import sys
 import time
 import traceback
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from dht.errors import UserError
 
@@ -135,12 +136,12 @@ def check_alive(helper, part: str) -> None:
         raise LinkLost(part_died(part))
 
 
-def answer(future: concurrent.futures.Future, helper, part: str, timeout: float) -> Any:
+def answer(future: concurrent.futures.Future, helper, part: str, timeout: Optional[float]) -> Any:
     """The result of ``future``, which only ``helper`` can resolve: ``LinkLost`` as soon as the helper is found dead
     (a SIGKILLed averager held its caller until each call's timeout: a minute, twice over), and
-    ``concurrent.futures.TimeoutError`` after ``timeout`` seconds. A helper that answered and then exited (a DHT
-    that could not start says why, and ends) is given a moment for its answer to come through."""
-    deadline = time.monotonic() + timeout
+    ``concurrent.futures.TimeoutError`` after ``timeout`` seconds (None: none). A helper that answered and then
+    exited (a DHT that could not start says why, and ends) is given a moment for its answer to come through."""
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
     while True:
         try:
             return future.result(timeout=max(min(DEATH_POLL, deadline - time.monotonic()), 0.0))

@@ -30,14 +30,14 @@ class Mortal:
 
     _host_pid: int  # the peer's process, which waits on the averager's
 
-    def _answer(self, future: MPFuture, timeout: float) -> Any:
+    def _answer(self, future: MPFuture, timeout: Optional[float]) -> Any:
         """Peer's process: the averager process's answer to ``future``; ``LinkLost`` as soon as it is found dead, and
         concurrent.futures' TimeoutError after ``timeout`` seconds."""
         return answer(future, self, AVERAGING_PROCESS, timeout)
 
     def wait_until_ready(self, timeout: Optional[float] = None) -> None:
         """hivemind's, which waited for good on an averager that died as it started (out of memory, say)."""
-        self._answer(self._ready, float("inf") if timeout is None else timeout)
+        self._answer(self._ready, timeout)
 
     @contextlib.contextmanager
     def get_tensors(self) -> Iterator[Sequence[torch.Tensor]]:
