@@ -17,6 +17,7 @@
 import importlib
 import sys
 import types
+import warnings
 
 from dht.platform import require_supported
 
@@ -43,3 +44,7 @@ require_supported()
 # hivemind imports scipy.optimize (0.4 s of CPU here, of a restart's 3 s: docs/design.md, "Startup") for a
 # load-balancing LP that runs only when peers announce their bandwidths, which ours never do
 _import_at_first_use("scipy.optimize")
+# hivemind scripts two helpers with torch.jit at import. torch deprecates torch.jit.script, and from 2.15 it says so
+# with a FutureWarning, which Python shows: two lines on every start of every command, the first thing a volunteer
+# sees (pip installs today's torch). They are addressed to hivemind's authors; the scripted helpers run all the same.
+warnings.filterwarnings("ignore", message="`torch.jit.script` is", module=r"torch\.jit\.")

@@ -53,6 +53,15 @@ def test_native_windows_is_refused_in_one_line_naming_wsl2_and_docker(command):
     assert_one_line_error(result, "native Windows is not supported", "WSL2", "docker")
 
 
+@pytest.mark.parametrize("command", ["peer", "dht"])
+def test_a_start_shows_nothing_of_torchs_deprecation_of_what_hivemind_scripts_at_import(command):
+    """torch 2.15 (what pip installs today) warns at each import of hivemind that torch.jit.script, which hivemind uses,
+    is deprecated: a FutureWarning, two lines on a user's terminal at every start. torch 2.13 says it where only -W
+    shows it. Made an error here, it would end the program on either torch."""
+    result = run_cli(sys.executable, "-W", "error:`torch.jit.script`", "-m", command, "--help")
+    assert result.returncode == 0 and "torch.jit" not in result.stderr, result.stderr[-2000:]
+
+
 def test_multiaddr_without_peer_id():
     result = run_cli(*peer_command("--initial-peers", "/ip4/127.0.0.1/tcp/31337"))
     assert_one_line_error(result, "lacks the /p2p/<peer id> part")
