@@ -29,7 +29,7 @@ from dht import internals
 from dht.addresses import parse_maddrs, scope
 from dht.cli import opt, require_positive
 from dht.errors import UserError, first_line
-from dht.processes import answer, init_child_process, part_died, spawn_daemon_detached
+from dht.processes import LinkLost, answer, init_child_process, part_died, spawn_daemon_detached
 from dht.reach import serve_dial_back
 from dht.validation import RememberingValidator, adopt_identity, signer
 
@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 EMPTY_TABLE = "failed to find any peer in table"  # p2pd's answer to a lookup before its routing table has a peer
 IDENTITY_CHECK_SECONDS = 10.0  # how long an identity check may wait for its probe's routing table to fill
+FRESH_ADDRESSES_SECONDS = 10.0  # how long a node waits for the p2p daemon's fresh list of its addresses (ms, usually)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,27 @@ class SwarmDHT(hivemind.DHT):
 
     def wait_until_ready(self, timeout: Optional[float] = None) -> None:
         self._answered(self._ready, False, timeout)
+
+    def get_visible_maddrs(self, latest: bool = False) -> list:
+        """hivemind's, except that a fresh list (``latest``: the p2p daemon asked again) that fails, or has not come
+        within ``FRESH_ADDRESSES_SECONDS``, gives the list the daemon reported at start. hivemind asks without a
+        deadline, and once (Python 3.12, a full test run's load) the answer never came: the peer, asking at start for
+        the addresses to print, waited for good, never trained, and could not leave on SIGTERM."""
+        if latest:
+            fresh = self.run_coroutine(functools.partial(hivemind.DHT._get_visible_maddrs, latest=True),
+                                       return_future=True)
+            asked = time.monotonic()
+            try:
+                return self._answered(fresh, False, FRESH_ADDRESSES_SECONDS)
+            except LinkLost:
+                raise
+            except Exception as e:  # (a dropped request reads as a timeout too: ``_run_coroutine``)
+                if time.monotonic() - asked < FRESH_ADDRESSES_SECONDS:
+                    logger.debug(f"asking the p2p daemon for this node's addresses afresh failed: {e!r}")
+                else:
+                    logger.warning(f"the p2p daemon gave no fresh list of this node's addresses in "
+                                   f"{FRESH_ADDRESSES_SECONDS:g} s: going on with those it gave at start")
+        return super().get_visible_maddrs()
 
     def _answered(self, future, return_future: bool, timeout: Optional[float] = None):
         """hivemind's calls (and ``peer_id``, ``get_visible_maddrs``, through ``run_coroutine``) that wait for the DHT
@@ -341,15 +363,10 @@ def explain_validation_error(message: str) -> str:
             f"Windows: set the time automatically), then start again")
 
 
-def visible_maddrs(dht: hivemind.DHT) -> list:
+def visible_maddrs(dht: SwarmDHT) -> list:
     """Addresses other peers can dial, best first: public, then private, then loopback (``scope``). The p2p daemon's
-    fresh answer, or where asking it failed (``SwarmDHT._run_coroutine``) the addresses it gave at start."""
-    try:
-        found = dht.get_visible_maddrs(latest=True)
-    except Exception as e:
-        logger.debug(f"asking the p2p daemon for our addresses failed: {e!r}")
-        found = dht.get_visible_maddrs()
-    maddrs = [str(m) for m in found]
+    fresh answer, or where that failed or came late the addresses it gave at start (``SwarmDHT.get_visible_maddrs``)."""
+    maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
     return sorted(set(maddrs), key=lambda m: (scope(m), m))
 
 

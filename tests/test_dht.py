@@ -374,6 +374,28 @@ def test_a_call_that_waits_on_a_dht_process_that_is_gone_names_it_at_once():
         node.shutdown()
 
 
+def test_a_fresh_address_list_that_never_comes_gives_the_one_from_start(monkeypatch):
+    """hivemind asks the p2p daemon for a node's addresses afresh with no deadline. Once (Python 3.12, under a full
+    test run's load) the answer never came: the peer, asking at start for the addresses it prints, waited for good,
+    never trained, and could not leave on SIGTERM. A daemon whose fresh answer never comes stands for it: the node
+    gives the addresses from its start once ``FRESH_ADDRESSES_SECONDS`` have passed."""
+    original = P2P.get_visible_maddrs
+
+    async def never_afresh(self, latest=False):
+        if latest:
+            await asyncio.get_running_loop().create_future()  # (never resolves)
+        return await original(self)
+
+    monkeypatch.setattr(P2P, "get_visible_maddrs", never_afresh)  # the DHT process, forked after this, has it
+    monkeypatch.setattr("dht.node.FRESH_ADDRESSES_SECONDS", 1.0)
+    node = start_dht(DHTConfig(host_maddrs=(LOOPBACK,)))
+    try:
+        at_start = node.get_visible_maddrs()
+        assert at_start and in_a_thread(lambda: node.get_visible_maddrs(latest=True)).result(timeout=10) == at_start
+    finally:
+        node.shutdown()
+
+
 def test_a_request_the_dht_process_drops_reads_as_a_timeout():
     """hivemind keeps no reference to a request's task: garbage-collected while pending, its coroutine is closed,
     and the caller got GeneratorExit (a starting peer exited on one). It gets a TimeoutError, which callers
