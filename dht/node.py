@@ -109,9 +109,10 @@ class SwarmDHT(hivemind.DHT):
 
     def get_visible_maddrs(self, latest: bool = False) -> list:
         """hivemind's, except that a fresh list (``latest``: the p2p daemon asked again) that fails, or has not come
-        within ``FRESH_ADDRESSES_SECONDS``, gives the list the daemon reported at start. hivemind asks without a
-        deadline, and once (Python 3.12, a full test run's load) the answer never came: the peer, asking at start for
-        the addresses to print, waited for good, never trained, and could not leave on SIGTERM."""
+        within ``FRESH_ADDRESSES_SECONDS``, gives the last list the daemon gave (at start, unless a fresh one came
+        since). hivemind asks without a deadline, and once (Python 3.12, a full test run's load) the answer never
+        came: the peer, asking at start for the addresses to print, waited for good, never trained, and could not
+        leave on SIGTERM."""
         if latest:
             fresh = self.run_coroutine(functools.partial(hivemind.DHT._get_visible_maddrs, latest=True),
                                        return_future=True)
@@ -125,7 +126,7 @@ class SwarmDHT(hivemind.DHT):
                     logger.debug(f"asking the p2p daemon for this node's addresses afresh failed: {e!r}")
                 else:
                     logger.warning(f"the p2p daemon gave no fresh list of this node's addresses in "
-                                   f"{FRESH_ADDRESSES_SECONDS:g} s: going on with those it gave at start")
+                                   f"{FRESH_ADDRESSES_SECONDS:g} s: going on with those it gave before")
         return super().get_visible_maddrs()
 
     def _answered(self, future, return_future: bool, timeout: Optional[float] = None):
@@ -365,7 +366,7 @@ def explain_validation_error(message: str) -> str:
 
 def visible_maddrs(dht: SwarmDHT) -> list:
     """Addresses other peers can dial, best first: public, then private, then loopback (``scope``). The p2p daemon's
-    fresh answer, or where that failed or came late the addresses it gave at start (``SwarmDHT.get_visible_maddrs``)."""
+    fresh answer, or where that failed or came late the addresses it gave before (``SwarmDHT.get_visible_maddrs``)."""
     maddrs = [str(m) for m in dht.get_visible_maddrs(latest=True)]
     return sorted(set(maddrs), key=lambda m: (scope(m), m))
 
