@@ -211,6 +211,17 @@ def register_runner(averager, group_id, runner) -> None:
     averager._running_groups[group_id].set_result(runner)
 
 
+def cancel_running_groups(averager) -> None:
+    """Cancel the all-reduce of each group the averager runs, as its process shuts down. hivemind's ``_shutdown``
+    means to, but calls ``finalize`` on the futures that hold the runners, not on the runners: a shutdown during an
+    all-reduce ended the averager process with an AttributeError's traceback."""
+    for registered in averager._running_groups.values():
+        if registered.done() and not registered.cancelled():
+            registered.result().finalize(cancel=True)
+        else:
+            registered.cancel()
+
+
 def state_from_host(averager) -> Awaitable[Any]:
     """Ask the peer's main process for the state it shares (``get_current_state``)."""
     return averager._get_current_state_from_host_process()

@@ -47,8 +47,11 @@ class Mortal:
             yield internals.averaged_tensors(self)
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
-        """hivemind's, for a p2p daemon that may have died (``SwarmDHT.link_lost``): its handlers went with it."""
-        try:
-            await super()._shutdown(timeout)
-        except (ConnectionError, OSError):  # the daemon is gone, and every group's streams with it
-            logger.debug("the averager stopped after its p2p daemon")
+        """hivemind's, for a p2p daemon that may have died (``SwarmDHT.link_lost``): its handlers went with it. Its
+        groups' all-reduces are cancelled as hivemind means to (``internals.cancel_running_groups``)."""
+        if not self.client_mode:
+            try:
+                await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+            except (ConnectionError, OSError):  # the daemon is gone, and every group's streams with it
+                logger.debug("the averager stopped after its p2p daemon")
+        internals.cancel_running_groups(self)
