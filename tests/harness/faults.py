@@ -10,6 +10,8 @@ Kinds:
   the round's checkpoint stays unwritten, while the averager finishes sending the round's parts to its groupmates);
 - ``die``: SIGKILL only the process that reached PHASE (at ``send``, ``reduce`` or ``donor``: the peer's averager
   process, as the kernel's OOM killer might pick it; the rest of the peer runs on);
+- ``stop``: Ctrl+C, as a terminal sends it: SIGINT to the whole peer (its processes but the p2p daemon, which runs in
+  a group of its own);
 - ``freeze``: SIGSTOP the whole peer for SECONDS, then SIGCONT;
 - ``slow``: throttle the whole peer to a quarter of its speed for SECONDS (stopped 3/4 of the time);
 - ``partition``: take this peer's network links down for SECONDS, then up again. The peer must run in a
@@ -37,7 +39,7 @@ from peer.hooks import PHASES
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("kill", "die", "freeze", "slow", "partition")
+KINDS = ("kill", "die", "stop", "freeze", "slow", "partition")
 EVENT = re.compile(r"^(?P<kind>\w+)@(?P<phase>\w+):(?P<epoch>\d+)(?:\+(?P<seconds>\d+(?:\.\d+)?))?$")
 SLOW_DUTY = (0.3, 0.1)  # seconds stopped, seconds running: a quarter of the speed
 
@@ -68,7 +70,7 @@ class FaultPlan:
             if kind not in KINDS or phase not in PHASES:
                 raise ValueError(f"fault_plan event {item!r}: kind must be one of {KINDS}, phase one of {PHASES}")
             seconds = float(match["seconds"] or 0)
-            if kind not in ("kill", "die") and seconds <= 0:
+            if kind not in ("kill", "die", "stop") and seconds <= 0:
                 raise ValueError(f"fault_plan event {item!r}: {kind} needs a duration, e.g. {kind}@{phase}:3+5")
             events.append(FaultEvent(kind, phase, int(match["epoch"]), seconds))
         if os.getpgid(0) != os.getpid():
@@ -93,6 +95,8 @@ class FaultPlan:
             os.killpg(group, signal.SIGKILL)
         elif event.kind == "die":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif event.kind == "stop":
+            os.killpg(group, signal.SIGINT)
         elif event.kind == "freeze":
             _detached(f"sleep {seconds}; kill -CONT -{group}")
             os.killpg(group, signal.SIGSTOP)
