@@ -48,7 +48,8 @@ class Mortal:
 
     async def _shutdown(self, timeout: Optional[float]) -> None:
         """hivemind's, for a p2p daemon that may have died (``SwarmDHT.link_lost``): its handlers went with it. Its
-        groups' all-reduces are cancelled as hivemind means to (``internals.cancel_running_groups``)."""
+        groups' all-reduces are cancelled as hivemind means to (``internals.cancel_running_groups``); a cancel leaves
+        nothing to wait for, so ``timeout`` (hivemind's bound on that wait) goes unused."""
         if not self.client_mode:
             try:
                 await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
