@@ -52,7 +52,7 @@ class Mortal:
         nothing to wait for, so ``timeout`` (hivemind's bound on that wait) goes unused."""
         if not self.client_mode:
             try:
-                await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+                await self.remove_p2p_handlers(internals.averager_p2p(self), namespace=self.prefix)
             except (ConnectionError, OSError):  # the daemon is gone, and every group's streams with it
                 logger.debug("the averager stopped after its p2p daemon")
         internals.cancel_running_groups(self)
